@@ -1,0 +1,135 @@
+"""The typed messages that flow between nodes.
+
+Every message is immutable, carries the conversational ``turn`` it belongs to and the
+monotonic time ``t`` at which it was made. Data messages travel on bounded rings;
+control messages (:class:`Interrupt`) travel on each node's control lane, which never
+waits behind data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = [
+    "Message",
+    "AudioChunk",
+    "SpeechStarted",
+    "Speech",
+    "Transcript",
+    "TextDelta",
+    "AudioOut",
+    "Interrupt",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    turn: int = 0
+    t: float = field(default_factory=time.monotonic)
+
+    #: Default ring for edges carrying this type: (capacity, policy).
+    ring: ClassVar[tuple[int, str]] = (64, "block")
+
+    def marks(self) -> dict[str, float]:
+        """Milestones this message stands for, as {name: monotonic time}; read by the trace."""
+        return {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AudioChunk(Message):
+    """A block of mono float32 PCM from a source. ``start`` is its offset in the stream (s)."""
+
+    pcm: np.ndarray
+    rate: int
+    start: float = 0.0
+
+    ring: ClassVar[tuple[int, str]] = (128, "drop_oldest")
+
+    @property
+    def duration(self) -> float:
+        return len(self.pcm) / self.rate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechStarted(Message):
+    """Speech was confirmed by the VAD: a new user turn begins (barge-in keys on it)."""
+
+    start: float = 0.0
+
+    def marks(self) -> dict[str, float]:
+        return {"speech_started": self.t}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Speech(Message):
+    """One finished user utterance.
+
+    ``start``/``end`` are stream offsets in seconds; ``speech_end_t`` is the monotonic
+    time at which the user really stopped talking (VAD stop minus its silence hangover).
+    """
+
+    pcm: np.ndarray
+    rate: int
+    start: float
+    end: float
+    speech_end_t: float
+
+    ring: ClassVar[tuple[int, str]] = (8, "block")
+
+    def marks(self) -> dict[str, float]:
+        return {"speech_end": self.speech_end_t}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transcript(Message):
+    text: str
+    language: str | None = None
+    final: bool = True
+
+    ring: ClassVar[tuple[int, str]] = (16, "block")
+
+    def marks(self) -> dict[str, float]:
+        return {"transcript_final": self.t} if self.final else {"transcript_partial": self.t}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextDelta(Message):
+    """Streamed reply text. ``sentence_end`` closes a sentence TTS can speak; ``end`` closes the reply."""
+
+    text: str
+    sentence_end: bool = False
+    end: bool = False
+
+    ring: ClassVar[tuple[int, str]] = (256, "block")
+
+    def marks(self) -> dict[str, float]:
+        if self.sentence_end:
+            return {"sentence": self.t}
+        return {"token": self.t} if self.text else {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AudioOut(Message):
+    """Synthesized reply audio; ``end`` marks the last chunk of a reply (its pcm may be empty)."""
+
+    pcm: np.ndarray
+    rate: int
+    text: str = ""
+    end: bool = False
+
+    ring: ClassVar[tuple[int, str]] = (64, "block")
+
+    def marks(self) -> dict[str, float]:
+        return {"audio": self.t} if len(self.pcm) else {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interrupt(Message):
+    """Barge-in: every message of a turn older than ``turn`` is stale from now on."""
+
+    reason: str = "barge-in"
+    detail: dict[str, Any] = field(default_factory=dict)
