@@ -18,7 +18,8 @@ class ConfigError(S2SError):
 class MissingDependency(S2SError):
     """A backend's library is not installed."""
 
-    def __init__(self, module: str, extra: str, *, pip_name: str | None = None, cause: Exception | None = None):
+    def __init__(self, module: str, extra: str, *, pip_name: str | None = None,
+                 cause: Exception | None = None):
         self.module, self.extra = module, extra
         what = f"'{pip_name}'" if pip_name else f"'s2s-flow[{extra}]'"
         super().__init__(

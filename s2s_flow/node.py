@@ -22,9 +22,9 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
@@ -47,6 +47,8 @@ class Context:
     ) -> None:
         self.name = name
         self.run_dir = run_dir
+        self.conversation = ""  # name of the conversation being played (e.g. the input file)
+        self.inputs_connected: frozenset[str] = frozenset()  # input ports wired in this graph
         self.log = logging.getLogger(f"s2s_flow.{name}")
         self._epoch = epoch
         self._interrupt = interrupt
@@ -80,6 +82,9 @@ class Node:
     outputs: ClassVar[dict[str, type[Message]]] = {}
     #: inputs that may stay unconnected (all others are required)
     optional_inputs: ClassVar[frozenset[str]] = frozenset()
+    #: inputs that observe the nearest upstream producer of their type even when a stage
+    #: in between consumed it (sinks and loggers that record transcripts and replies)
+    taps: ClassVar[frozenset[str]] = frozenset()
     #: per output port (capacity, policy) overriding the message type's default ring
     port_rings: ClassVar[dict[str, tuple[int, str]]] = {}
     #: parameters that hold secrets: never printed, logged or written to the run dir
@@ -87,8 +92,20 @@ class Node:
 
     ctx: Context
 
+    def port_rate(self, port: str) -> int | None:
+        """Sample rate of an audio port, if fixed by the parameters (checked across edges)."""
+        return None
+
+    def reset(self) -> None:
+        """A new conversation starts (next file of a batch): forget history and state."""
+
     def setup(self) -> None:
         """Load models, open clients, warm up. Runs before any data flows."""
+
+    def sessions(self) -> list[str]:
+        """Sources only: the conversations to play, one after another (e.g. one per input
+        file). Before each, every node is ``reset()`` and ``ctx.conversation`` names it."""
+        return [""]
 
     def produce(self) -> Iterator[Message]:
         """Sources only (nodes without inputs): yield messages until the input ends."""

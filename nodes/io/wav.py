@@ -1,0 +1,211 @@
+"""File I/O: a WAV (any libsndfile format) source and a sink writing replies + transcript.
+
+The source plays one file, a list, or a directory as a batch of conversations (one
+session each), resampled with libsoxr and mixed to mono, optionally paced in real time
+so latency runs behave like a live microphone. The sink writes each reply as a WAV and
+one ``transcript.jsonl`` row per turn, flushed per turn, so a stopped run keeps
+everything already produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from s2s_flow.audio import resample, to_mono
+from s2s_flow.errors import ConfigError
+from s2s_flow.messages import AudioChunk, AudioOut, Message, TextDelta, Transcript
+from s2s_flow.node import Node
+
+SAMPLES = Path(__file__).parent / "samples"  # bundled spoken questions: the default input
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".aiff", ".aif", ".mp3", ".au", ".caf", ".w64", ".opus"}
+
+
+def _input_files(spec: str | list[str] | None, where: str) -> list[Path]:
+    import soundfile as sf
+
+    paths = [str(SAMPLES)] if spec is None else [spec] if isinstance(spec, str) else list(spec)
+    if not paths or paths == [""]:
+        raise ConfigError(f"{where}: no input given; set io.input=PATH (a WAV file, a list, or a directory)")
+    files: list[Path] = []
+    for p in map(Path, paths):
+        p = p.expanduser()
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.suffix.lower() in AUDIO_SUFFIXES)
+            if not found:
+                raise ConfigError(f"{where}: directory {p} has no audio files ({', '.join(sorted(AUDIO_SUFFIXES))})")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ConfigError(f"{where}: input file {p} does not exist; set io.input=PATH to an existing file")
+    for f in files:
+        try:
+            info = sf.info(str(f))
+        except Exception as exc:
+            raise ConfigError(f"{where}: {f} is not a readable audio file ({exc}); "
+                              "give a WAV/FLAC/OGG file libsndfile can read") from None
+        if info.frames == 0:
+            raise ConfigError(f"{where}: {f} is empty (0 audio frames); record or pick another file")
+    return files
+
+
+class WavSource(Node):
+    """Plays audio files as microphone-like 20 ms chunks at the pipeline rate."""
+
+    outputs = {"audio": AudioChunk}
+    # A file can wait for a slow consumer; live audio would drop instead.
+    port_rings = {"audio": (64, "block")}
+
+    def __init__(self, *, input: str | list[str] | None = None, rate: int = 16000, chunk_ms: int = 20,
+                 realtime: bool = False, tail_silence_s: float = 1.0):
+        if rate not in (8000, 16000, 22050, 24000, 44100, 48000):
+            raise ConfigError(f"io.rate={rate} is not a supported pipeline rate (16000 or 8000 for VAD)")
+        if not 5 <= chunk_ms <= 200:
+            raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
+        self.files = _input_files(input, "io.input")
+        self.rate, self.chunk = rate, rate * chunk_ms // 1000
+        self.realtime, self.tail_silence_s = realtime, tail_silence_s
+        self._names = self._unique_names(self.files)
+
+    @staticmethod
+    def _unique_names(files: list[Path]) -> list[str]:
+        names: list[str] = []
+        for f in files:
+            name, n = f.stem, 2
+            while name in names:
+                name, n = f"{f.stem}_{n}", n + 1
+            names.append(name)
+        return names
+
+    def port_rate(self, port: str) -> int | None:
+        return self.rate
+
+    def sessions(self) -> list[str]:
+        return list(self._names)
+
+    def read(self, path: Path) -> np.ndarray:
+        """The whole file as float32 mono at the pipeline rate."""
+        import soundfile as sf
+
+        try:
+            pcm, rate = sf.read(str(path), dtype="float32", always_2d=True)
+        except Exception as exc:
+            raise ConfigError(f"io.input: cannot decode {path} ({exc})") from None
+        return resample(to_mono(pcm), rate, self.rate)
+
+    def produce(self) -> Iterator[AudioChunk]:
+        path = self.files[self._names.index(self.ctx.conversation)] if self.ctx.conversation else self.files[0]
+        pcm = self.read(path)
+        pcm = np.concatenate([pcm, np.zeros(int(self.tail_silence_s * self.rate), np.float32)])
+        step = self.chunk / self.rate
+        t0 = time.monotonic()
+        for i, start in enumerate(range(0, len(pcm), self.chunk)):
+            if self.realtime:
+                delay = t0 + (i + 1) * step - time.monotonic()  # a chunk exists once fully "recorded"
+                if delay > 0 and self.ctx.stopping.wait(delay):
+                    return
+            yield AudioChunk(pcm=pcm[start:start + self.chunk], rate=self.rate, start=start / self.rate)
+
+
+@dataclass
+class _Turn:
+    user: str | None = None
+    agent: list[str] = field(default_factory=list)
+    agent_done: bool = False
+    audio: list[np.ndarray] = field(default_factory=list)
+    audio_done: bool = False
+    first_audio_t: float | None = None
+    interrupted: bool = False
+
+
+class WavSink(Node):
+    """Writes each reply to ``<conversation>/turn_NNN.wav`` and a row to ``transcript.jsonl``."""
+
+    inputs = {"audio": AudioOut, "user": Transcript, "agent": TextDelta}
+    optional_inputs = frozenset({"audio"})
+    taps = frozenset({"user", "agent"})
+
+    def __init__(self, *, output_dir: str | None = None, rate: int | None = None):
+        self.output_dir, self.rate = output_dir, rate
+        if output_dir is not None:
+            out = Path(output_dir).expanduser()
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"io.output_dir={output_dir}: cannot create it ({exc.strerror}); "
+                                  "choose a writable directory") from None
+            if not os.access(out, os.W_OK):
+                raise ConfigError(f"io.output_dir={output_dir} is not writable; choose a writable directory")
+        self._turns: dict[int, _Turn] = {}
+        self._stale_before = 0
+        self._rows = None
+
+    def setup(self) -> None:
+        self.dir = Path(self.output_dir).expanduser() if self.output_dir else self.ctx.run_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._rows = open(self.dir / "transcript.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    def process(self, port: str, msg: Message) -> None:
+        turn = self._turns.setdefault(msg.turn, _Turn())
+        if isinstance(msg, Transcript) and msg.final:
+            turn.user = msg.text
+        elif isinstance(msg, TextDelta):
+            turn.agent.append(msg.text)
+            turn.agent_done |= msg.end
+        elif isinstance(msg, AudioOut):
+            if len(msg.pcm):
+                if turn.first_audio_t is None:
+                    turn.first_audio_t = time.monotonic()
+                pcm = msg.pcm if self.rate is None else resample(msg.pcm, msg.rate, self.rate)
+                turn.audio.append(pcm)
+                self.rate = self.rate or msg.rate
+            turn.audio_done |= msg.end
+        self._write_ready()
+
+    def _complete(self, turn: _Turn) -> bool:
+        wants_audio = "audio" in self.ctx.inputs_connected
+        return turn.audio_done if wants_audio else turn.agent_done
+
+    def _write_ready(self, everything: bool = False) -> None:
+        for n in sorted(self._turns):
+            turn = self._turns[n]
+            if everything or self._complete(turn) or 0 < n < self._stale_before:
+                turn.interrupted = not self._complete(turn)
+                self._write(n, self._turns.pop(n))
+
+    def _write(self, n: int, turn: _Turn) -> None:
+        import soundfile as sf
+
+        conv = self.ctx.conversation or "conversation"
+        wav = None
+        if turn.audio:
+            path = self.dir / conv / f"turn_{n:03d}.wav"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            sf.write(str(path), np.concatenate(turn.audio), self.rate, subtype="PCM_16")
+            wav = str(path.relative_to(self.dir))
+        row = {"conversation": conv, "turn": n, "user": turn.user, "agent": "".join(turn.agent).strip(),
+               "reply_wav": wav, "reply_audio_s": round(sum(map(len, turn.audio)) / (self.rate or 1), 3),
+               "interrupted": turn.interrupted}
+        assert self._rows is not None
+        self._rows.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._rows.flush()
+
+    def on_interrupt(self, turn: int) -> None:
+        self._stale_before = turn  # written as interrupted when the sink next runs
+
+    def finish(self) -> None:
+        self._write_ready(everything=True)
+
+    def close(self) -> None:
+        if self._rows is not None:
+            if self._turns:
+                self._write_ready(everything=True)
+            self._rows.close()
+            self._rows = None

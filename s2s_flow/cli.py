@@ -1,0 +1,130 @@
+"""``s2s-run``: compose with Hydra, validate, then run the graph (or print it with dry_run=true).
+
+A plain run is composed once up front with Hydra's compose API, so configuration errors
+are reported as one paragraph with exit code 2 before anything loads, and ``dry_run``
+never creates a run directory. Runs and sweeps (``-m``) then go through ``hydra.main``
+for run directories, multirun and launchers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from s2s_flow.compose import compose, conf_dir, redact, search_path
+from s2s_flow.errors import ConfigError, S2SError
+from s2s_flow.graph import Graph, build_graph
+from s2s_flow.validate import validate
+
+log = logging.getLogger("s2s_flow")
+
+__all__ = ["main", "describe", "plan"]
+
+
+def plan(cfg: DictConfig, choices: dict[str, str]) -> Graph:
+    """Compose-time work: wire and validate the graph. Loads no model."""
+    return validate(build_graph(cfg, choices), conf_dir())
+
+
+def describe(graph: Graph) -> str:
+    """The graph as text: nodes with their ports, then edges with ring capacity/policy."""
+    lines = ["nodes:"]
+    for name, spec in graph.nodes.items():
+        ins = ", ".join(f"{p}:{t.__name__}" for p, t in spec.cls.inputs.items()) or "-"
+        outs = ", ".join(f"{p}:{t.__name__}" for p, t in spec.cls.outputs.items()) or "-"
+        lines.append(f"  {name:<8} {spec.label:<18} {spec.cls.__module__}.{spec.cls.__name__}")
+        lines.append(f"  {'':<8} in [{ins}]  out [{outs}]")
+    if graph.skipped:
+        lines.append(f"skipped: {', '.join(s + '=none' for s in graph.skipped)}")
+    lines.append("edges:")
+    for e in graph.edges:
+        tag = " (explicit)" if e.explicit else ""
+        lines.append(f"  {e.key:<34} {e.type.__name__:<13} ring {e.capacity:>4} {e.policy}{tag}")
+    return "\n".join(lines)
+
+
+def _is_plain(argv: list[str]) -> bool:
+    return all(not a.startswith("-") for a in argv)
+
+
+def _fail(exc: S2SError) -> None:
+    print(f"s2s-run: error: {exc}", file=sys.stderr)
+    sys.exit(exc.exit_code)
+
+
+def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str, Any]:
+    """One job: plan, run every conversation, write the results into ``run_dir``."""
+    from rich.console import Console
+
+    from s2s_flow.scheduler import Scheduler
+
+    console = Console(stderr=True)
+    graph = plan(cfg, choices)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact(cfg))))
+    (run_dir / "choices.json").write_text(json.dumps(choices, indent=2))
+    scheduler = Scheduler(graph, run_dir, console=console)
+    try:
+        trace = scheduler.run()
+    finally:
+        (run_dir / "trace.json").write_text(json.dumps(
+            {**scheduler.trace.to_dict(), "rings": scheduler.ring_stats}, indent=1))
+    if not trace.turns():
+        log.warning("no speech was found in the input: no turn was run")
+        console.print("[yellow]no speech was found in the input: no turn was run[/yellow]")
+    return {"turns": len(trace.turns()), "run_dir": str(run_dir)}
+
+
+def _hydra_entry() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+    def _job(cfg: DictConfig) -> Any:
+        hc = HydraConfig.get()
+        choices = {k: str(v) for k, v in hc.runtime.choices.items() if v is not None}
+        run_dir = Path(hc.runtime.output_dir)
+        try:
+            return run_job(cfg, choices, run_dir)
+        except S2SError as exc:
+            if hc.mode == RunMode.MULTIRUN:  # keep the sweep going; the summary reports it
+                (run_dir / "error.txt").write_text(f"{exc}\n")
+                log.error("job failed: %s", exc)
+                return {"error": str(exc), "run_dir": str(run_dir)}
+            _fail(exc)
+
+    _job()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("S2S_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _is_plain(argv):
+        try:
+            cfg, choices = compose(argv)
+            graph = plan(cfg, choices)
+        except S2SError as exc:
+            _fail(exc)
+        if cfg.get("dry_run"):
+            print(describe(graph))
+            return
+    extra = search_path()
+    if extra:
+        argv.append(f"hydra.searchpath=[{','.join(extra)}]")
+    sys.argv = [sys.argv[0] if sys.argv else "s2s-run", *argv]
+    try:
+        _hydra_entry()
+    except ConfigError as exc:
+        _fail(exc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Bounded rings: the only way messages move between nodes.
+
+Every edge of the graph is a :class:`Ring` with a capacity and an overflow policy:
+
+- ``block``: the producer waits for room (backpressure; text and replies),
+- ``drop_oldest``: the oldest item is discarded (live audio: freshest wins),
+- ``drop_newest``: the new item is discarded.
+
+All rings that feed one node share that node's :class:`Inbox` (one lock, one wake-up),
+so a node sleeps until *any* of its inputs or its control lane has something, without
+polling. A consumer takes everything available in one lock acquisition.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox"]
+
+POLICIES = ("block", "drop_oldest", "drop_newest")
+
+
+class RingClosed(Exception):
+    """Put on a closed ring (the consumer is gone or the graph is stopping)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RingStats:
+    name: str
+    capacity: int
+    policy: str
+    puts: int
+    drops: int
+    high_water: int
+    blocked_s: float
+
+
+class Inbox:
+    """The consumer side shared by every ring into one node, plus its control lane."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.rings: list[Ring] = []
+        self.control: deque[Any] = deque()
+        self._waiting = False
+
+    def wake(self) -> None:
+        """Call with ``lock`` held, after adding something the consumer may want."""
+        if self._waiting:
+            self.ready.notify()
+
+    def post_control(self, item: Any) -> None:
+        """Control never waits behind data: it has its own unbounded lane (rare items)."""
+        with self.lock:
+            self.control.append(item)
+            self.wake()
+
+    def wait(self, timeout: float | None = None) -> tuple[list[Any], list[tuple[Ring, float, Any]], bool]:
+        """Block until there is control or data; return (control, data, all_inputs_done).
+
+        ``data`` is every item available, as (ring, put_time, message), ring by ring in
+        FIFO order. ``all_inputs_done`` is true once every input ring is closed and empty.
+        """
+        with self.lock:
+            while not self.control and not any(r._items for r in self.rings) and not self._done():
+                self._waiting = True
+                try:
+                    if not self.ready.wait(timeout):
+                        break
+                finally:
+                    self._waiting = False
+            control = list(self.control)
+            self.control.clear()
+            data: list[tuple[Ring, float, Any]] = []
+            for ring in self.rings:
+                if ring._items:
+                    data.extend((ring, t, m) for t, m in ring._items)
+                    ring._items.clear()
+                    if ring._blocked_waiters:
+                        ring._not_full.notify_all()
+            return control, data, self._done() and not data
+
+    def _done(self) -> bool:
+        return all(r._closed and not r._items for r in self.rings)
+
+
+class Ring:
+    """A bounded FIFO from one producer port to one consumer port."""
+
+    def __init__(self, capacity: int, policy: str = "block", *, inbox: Inbox | None = None, name: str = ""):
+        if capacity < 1:
+            raise ValueError(f"ring {name!r}: capacity must be >= 1, got {capacity}")
+        if policy not in POLICIES:
+            raise ValueError(f"ring {name!r}: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.name, self.capacity, self.policy = name, capacity, policy
+        self.inbox = inbox or Inbox()
+        self.inbox.rings.append(self)
+        self._lock = self.inbox.lock
+        self._not_full = threading.Condition(self._lock)
+        self._blocked_waiters = 0
+        self._items: deque[tuple[float, Any]] = deque()
+        self._closed = False
+        self.puts = self.drops = self.high_water = 0
+        self.blocked_s = 0.0
+
+    def put(self, item: Any) -> bool:
+        """Add an item; returns False when the policy dropped something (this or the oldest)."""
+        with self._lock:
+            if self._closed:
+                raise RingClosed(self.name)
+            kept = True
+            if len(self._items) >= self.capacity:
+                if self.policy == "block":
+                    t0 = time.perf_counter()
+                    self._blocked_waiters += 1
+                    try:
+                        while len(self._items) >= self.capacity and not self._closed:
+                            self._not_full.wait()
+                    finally:
+                        self._blocked_waiters -= 1
+                    self.blocked_s += time.perf_counter() - t0
+                    if self._closed:
+                        raise RingClosed(self.name)
+                elif self.policy == "drop_oldest":
+                    self._items.popleft()
+                    self.drops += 1
+                    kept = False
+                else:
+                    self.drops += 1
+                    return False
+            self._items.append((time.monotonic(), item))
+            self.puts += 1
+            if len(self._items) > self.high_water:
+                self.high_water = len(self._items)
+            self.inbox.wake()
+            return kept
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Take the oldest item, waiting up to ``timeout``; raises RingClosed once closed and empty.
+
+        For code that reads one ring on its own (tests, tools); nodes are fed by the scheduler.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._items:
+                if self._closed:
+                    raise RingClosed(self.name)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(self.name)
+                self.inbox._waiting = True
+                try:
+                    self.inbox.ready.wait(remaining)
+                finally:
+                    self.inbox._waiting = False
+            _, item = self._items.popleft()
+            if self._blocked_waiters:
+                self._not_full.notify()
+            return item
+
+    def flush(self, stale: Callable[[Any], bool] | None = None) -> int:
+        """Drop every item (or those ``stale`` says are stale); returns how many were dropped."""
+        with self._lock:
+            before = len(self._items)
+            if stale is None:
+                self._items.clear()
+            else:
+                self._items = deque(x for x in self._items if not stale(x[1]))
+            dropped = before - len(self._items)
+            self.drops += dropped
+            if dropped and self._blocked_waiters:
+                self._not_full.notify_all()
+            return dropped
+
+    def close(self, *, discard: bool = False) -> None:
+        """No more puts. The consumer still drains what is queued, unless ``discard``."""
+        with self._lock:
+            self._closed = True
+            if discard:
+                self.drops += len(self._items)
+                self._items.clear()
+            self._not_full.notify_all()
+            self.inbox.ready.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def stats(self) -> RingStats:
+        with self._lock:
+            return RingStats(self.name, self.capacity, self.policy, self.puts, self.drops,
+                             self.high_water, round(self.blocked_s, 6))

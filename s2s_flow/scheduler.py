@@ -1,0 +1,334 @@
+"""Runs a validated graph: one thread per node, bounded rings between them.
+
+Life of a run:
+1. every node's ``setup()`` runs in parallel, with a live progress line;
+2. for each conversation the source offers (``sessions()``: one per input file), the
+   nodes are ``reset()``, fresh rings are wired and one thread per node moves data;
+   end of stream closes the source's rings and drains the graph in order, so the
+   session ends by itself with every reply written;
+3. ``close()`` on every node, once.
+
+A node that raises stops the graph: rings are closed, blocked threads are woken, nodes
+still busy are closed to unblock them, and the error names the node. SIGINT and SIGTERM
+stop the same way. Barge-in is :meth:`Scheduler.interrupt`: the epoch moves to the new
+turn, stale messages are flushed from every ring and dropped at every hop, and each node's
+``on_interrupt`` is called so it can close a stream at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Generator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from s2s_flow.errors import NodeFailed, S2SError
+from s2s_flow.graph import Graph, NodeSpec
+from s2s_flow.messages import Message
+from s2s_flow.node import Context
+from s2s_flow.rings import Inbox, Ring, RingClosed
+from s2s_flow.trace import NodeTurn, Trace
+
+__all__ = ["Scheduler", "Stopped"]
+
+_STOP = object()  # control item: leave the loop now
+
+
+class Stopped(S2SError):
+    """The run was stopped by a signal."""
+
+    exit_code = 130
+
+
+class _Running:
+    """One node at run time: its inbox, its output rings by port, its trace table."""
+
+    def __init__(self, spec: NodeSpec, trace: Trace):
+        assert spec.node is not None, "validate() builds the nodes"
+        self.name, self.spec, self.node = spec.name, spec, spec.node
+        self.table: dict[int, NodeTurn] = trace.node(spec.name)
+        self.inbox = Inbox()
+        self.outputs: dict[str, list[Ring]] = {}
+        self.thread: threading.Thread | None = None
+        self._ports = {typ: port for port, typ in spec.cls.outputs.items()}
+
+    def port_of(self, msg: Message) -> str:
+        port = self._ports.get(type(msg))
+        if port is None:
+            port = next((p for t, p in self._ports.items() if isinstance(msg, t)), None)
+            if port is None:
+                raise TypeError(f"{self.spec.cls.__name__} yielded a {type(msg).__name__}, which none of "
+                                f"its outputs ({', '.join(self.spec.cls.outputs) or 'none'}) carries")
+            self._ports[type(msg)] = port
+        return port
+
+
+class Scheduler:
+    def __init__(self, graph: Graph, run_dir: Path, *, console: Any = None, trace: Trace | None = None):
+        self.graph, self.run_dir, self.console = graph, Path(run_dir), console
+        self.trace = trace or Trace()
+        self.ring_stats: dict[str, dict[str, Any]] = {}
+        self._epoch = 0
+        self._epoch_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._error: tuple[str, BaseException] | None = None
+        self._stop_reason: str | None = None
+        self._closed: set[str] = set()
+        self._progress: dict[str, str] = {}
+        self._runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
+        for run in self._runs.values():
+            run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
+                                   interrupt=self.interrupt, stopping=self._stopping,
+                                   progress=lambda text, n=run.name: self._set_progress(n, text))
+            run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
+
+    # -- control -----------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def interrupt(self, turn: int, reason: str = "barge-in") -> None:
+        """Make every turn before ``turn`` stale, everywhere, now."""
+        with self._epoch_lock:
+            if turn <= self._epoch:
+                return
+            self._epoch = turn
+        dropped = 0
+        for run in self._runs.values():
+            for ring in run.inbox.rings:
+                dropped += ring.flush(lambda m: 0 < m.turn < turn)
+        for run in self._runs.values():
+            try:
+                run.node.on_interrupt(turn)
+            except Exception as exc:  # a node that cannot stop is a failed node
+                self._fail(run.name, exc)
+            run.inbox.post_control(("interrupt", turn))
+        self.trace.event("interrupt", turn=turn, reason=reason, dropped=dropped)
+
+    def stop(self, reason: str) -> None:
+        """Stop every node promptly (signal, or another node failed)."""
+        if self._stopping.is_set():
+            return
+        self._stop_reason = reason
+        self._stopping.set()
+        for run in self._runs.values():
+            for ring in run.inbox.rings:
+                ring.close(discard=True)
+            run.inbox.post_control(_STOP)
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = (name, exc)
+            self.trace.event("error", node=name, error=f"{type(exc).__name__}: {exc}")
+        self.stop(f"node {name} failed")
+
+    # -- running -------------------------------------------------------------------------
+
+    def run(self) -> Trace:
+        """Set up, run every conversation, close. Raises NodeFailed or Stopped."""
+        restore = self._install_signal_handlers()
+        try:
+            self._setup_all()
+            source = self._driver()
+            sessions = source.node.sessions() if source else [""]
+            for i, name in enumerate(sessions):
+                if self._stopping.is_set():
+                    break
+                self._run_session(i, name)
+            self._raise_if_failed()
+            return self.trace
+        finally:
+            self._close_all()
+            restore()
+
+    def _driver(self) -> _Running | None:
+        sources = [r for r in self._runs.values() if not r.spec.cls.inputs]
+        return sources[0] if sources else None
+
+    def _set_progress(self, name: str, text: str) -> None:
+        self._progress[name] = text
+
+    def _setup_all(self) -> None:
+        t0 = time.monotonic()
+        pending = {name: run for name, run in self._runs.items()}
+        status = self.console.status("setting up") if self.console is not None else None
+        with ThreadPoolExecutor(max_workers=max(1, len(pending)), thread_name_prefix="setup") as pool:
+            futures = {pool.submit(run.node.setup): name for name, run in pending.items()}
+            if status is not None:
+                status.start()
+            try:
+                while futures and not self._stopping.is_set():
+                    done = [f for f in futures if f.done()]
+                    for f in done:
+                        name = futures.pop(f)
+                        if f.exception() is not None:
+                            self._fail(name, f.exception())  # type: ignore[arg-type]
+                        self.trace.event("setup", node=name, seconds=round(time.monotonic() - t0, 3))
+                    if status is not None:
+                        waiting = ", ".join(f"{futures[f]}: {self._progress.get(futures[f], 'loading')}"
+                                            for f in futures)
+                        status.update(f"setting up ({time.monotonic() - t0:.1f}s) {waiting}")
+                    if futures:
+                        time.sleep(0.05)
+            finally:
+                if status is not None:
+                    status.stop()
+                if self._stopping.is_set():
+                    pool.shutdown(wait=False, cancel_futures=True)
+        self._raise_if_failed()
+
+    def _run_session(self, index: int, name: str) -> None:
+        turns_before = set(self.trace.turns())
+        for run in self._runs.values():
+            run.inbox = Inbox()
+            run.outputs = {}
+            run.node.ctx.conversation = name
+            if index:
+                run.node.reset()
+        rings = []
+        for edge in self.graph.edges:
+            ring = Ring(edge.capacity, edge.policy, inbox=self._runs[edge.dst].inbox, name=edge.key)
+            ring.dst_port = edge.dst_port  # type: ignore[attr-defined]
+            self._runs[edge.src].outputs.setdefault(edge.src_port, []).append(ring)
+            rings.append((edge, ring))
+        self.trace.event("session", index=index, conversation=name)
+        for run in self._runs.values():
+            target = self._source_loop if not run.spec.cls.inputs else self._node_loop
+            run.thread = threading.Thread(target=target, args=(run,), name=f"node:{run.name}", daemon=True)
+            run.thread.start()
+        self._wait_threads()
+        for edge, ring in rings:
+            s = ring.stats()
+            acc = self.ring_stats.setdefault(edge.key, {"capacity": s.capacity, "policy": s.policy, "puts": 0,
+                                                        "drops": 0, "high_water": 0, "blocked_s": 0.0})
+            acc["puts"] += s.puts
+            acc["drops"] += s.drops
+            acc["high_water"] = max(acc["high_water"], s.high_water)
+            acc["blocked_s"] = round(acc["blocked_s"] + s.blocked_s, 6)
+        for turn in set(self.trace.turns()) - turns_before:
+            self.trace.conversations[turn] = name
+
+    def _wait_threads(self) -> None:
+        threads = [r.thread for r in self._runs.values() if r.thread is not None]
+        while any(t.is_alive() for t in threads):
+            if self._stopping.is_set():
+                self._join_stopping()
+                return
+            for t in threads:
+                t.join(0.1)  # short joins keep the main thread responsive to signals
+                if self._stopping.is_set():
+                    break
+
+    def _join_stopping(self) -> None:
+        """After stop(): give threads a moment, then close nodes still busy to unblock them."""
+        deadline = time.monotonic() + 0.3
+        for run in self._runs.values():
+            if run.thread is not None:
+                run.thread.join(max(0.0, deadline - time.monotonic()))
+        for run in self._runs.values():
+            if run.thread is not None and run.thread.is_alive():
+                self._close(run)
+        deadline = time.monotonic() + 0.6
+        for run in self._runs.values():
+            if run.thread is not None:
+                run.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _source_loop(self, run: _Running) -> None:
+        try:
+            self._emit(run, run.node.produce())
+            if not self._stopping.is_set():
+                self._emit(run, run.node.finish())
+        except RingClosed:
+            pass
+        except BaseException as exc:
+            self._fail(run.name, exc)
+        finally:
+            self._close_outputs(run)
+
+    def _node_loop(self, run: _Running) -> None:
+        node, table, trace = run.node, run.table, self.trace
+        try:
+            while True:
+                control, data, done = run.inbox.wait()
+                if _STOP in control or self._stopping.is_set():
+                    return
+                for ring, t_put, msg in data:
+                    if 0 < msg.turn < self._epoch:
+                        continue  # stale: an interrupt moved past its turn
+                    now = time.monotonic()
+                    trace.received(table, msg, now, now - t_put)
+                    self._emit(run, node.process(ring.dst_port, msg))
+                    if self._stopping.is_set():
+                        return
+                if done:
+                    self._emit(run, node.finish())
+                    return
+        except RingClosed:
+            if not self._stopping.is_set():
+                raise
+        except BaseException as exc:
+            self._fail(run.name, exc)
+        finally:
+            self._close_outputs(run)
+
+    def _emit(self, run: _Running, out: Iterable[Any] | Message | None) -> None:
+        if out is None:
+            return
+        if isinstance(out, Message):
+            out = (out,)
+        table, trace = run.table, self.trace
+        for item in out:
+            if type(item) is tuple:
+                port, msg = item
+            else:
+                msg, port = item, run.port_of(item)
+            if 0 < msg.turn < self._epoch or self._stopping.is_set():
+                if isinstance(out, Generator):
+                    out.close()  # e.g. closes a streaming HTTP request of an interrupted turn
+                return
+            trace.emitted(table, msg, time.monotonic())
+            for ring in run.outputs.get(port, ()):
+                ring.put(msg)
+
+    def _close_outputs(self, run: _Running) -> None:
+        for rings in run.outputs.values():
+            for ring in rings:
+                ring.close()
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def _close(self, run: _Running) -> None:
+        if run.name in self._closed:
+            return
+        self._closed.add(run.name)
+        try:
+            run.node.close()
+        except Exception as exc:
+            self.trace.event("close_error", node=run.name, error=f"{type(exc).__name__}: {exc}")
+
+    def _close_all(self) -> None:
+        for run in reversed(list(self._runs.values())):
+            self._close(run)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            name, exc = self._error
+            raise NodeFailed(name, exc) from exc
+        if self._stop_reason is not None:
+            raise Stopped(f"stopped by {self._stop_reason}; what was already written is kept")
+
+    def _install_signal_handlers(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum: int, frame: Any) -> None:
+            self.stop(signal.Signals(signum).name)
+
+        for sig in previous:
+            signal.signal(sig, handler)
+        return lambda: [signal.signal(sig, h) for sig, h in previous.items()]

@@ -1,0 +1,138 @@
+"""Small real nodes for engine tests: a counting source, pass-through, a collecting sink,
+and nodes that fail or block on purpose (faults no real backend produces on demand)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from s2s_flow.messages import AudioChunk, Message, TextDelta, Transcript
+from s2s_flow.node import Node
+
+
+class CountSource(Node):
+    outputs = {"text": Transcript}
+
+    def __init__(self, *, n: int = 10, turns: int = 1, sessions: list[str] | None = None):
+        self.n, self.turns, self._sessions = n, turns, sessions or [""]
+
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def produce(self) -> Iterator[Transcript]:
+        for i in range(self.n):
+            yield Transcript(turn=1 + i * self.turns // self.n, text=f"{self.ctx.conversation}:{i}")
+
+
+class AudioSource(Node):
+    outputs = {"audio": AudioChunk}
+
+    def __init__(self, *, n: int = 100, rate: int = 16000):
+        self.n, self.rate = n, rate
+
+    def port_rate(self, port: str) -> int | None:
+        return self.rate
+
+    def produce(self) -> Iterator[AudioChunk]:
+        pcm = np.zeros(self.rate // 50, np.float32)
+        for i in range(self.n):
+            yield AudioChunk(pcm=pcm, rate=self.rate, start=i * 0.02)
+
+
+class Upper(Node):
+    """Transcript -> TextDelta, one per input, plus an end marker per turn at finish."""
+
+    inputs = {"text": Transcript}
+    outputs = {"text": TextDelta}
+
+    def __init__(self, *, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        assert isinstance(msg, Transcript)
+        yield TextDelta(turn=msg.turn, text=msg.text.upper())
+
+
+class Collect(Node):
+    inputs = {"text": TextDelta}
+    got: list[Message]
+
+    def __init__(self, *, fail_on: str | None = None):
+        self.fail_on = fail_on
+        self.got = []
+        self.finished = 0
+
+    def process(self, port: str, msg: Message) -> None:
+        if self.fail_on is not None and getattr(msg, "text", None) == self.fail_on:
+            raise RuntimeError(f"boom on {self.fail_on}")
+        self.got.append(msg)
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+class Blocker(Node):
+    """Blocks inside process() until close() is called, like a stuck network read."""
+
+    inputs = {"text": Transcript}
+    outputs = {"text": TextDelta}
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.closed = False
+
+    def process(self, port: str, msg: Message) -> None:
+        self.release.wait(30)
+
+    def close(self) -> None:
+        self.closed = True
+        self.release.set()
+
+
+class SlowSetup(Node):
+    inputs = {"text": TextDelta}
+
+    def __init__(self, *, seconds: float = 0.2, fail: bool = False):
+        self.seconds, self.fail = seconds, fail
+
+    def setup(self) -> None:
+        time.sleep(self.seconds)
+        if self.fail:
+            raise RuntimeError("model file is corrupt")
+
+    def process(self, port: str, msg: Message) -> None:
+        pass
+
+
+class Streamer(Node):
+    """Yields many deltas per input, slowly: an LLM stand-in for interrupt tests."""
+
+    inputs = {"text": Transcript}
+    outputs = {"text": TextDelta}
+
+    def __init__(self, *, pieces: int = 50, delay_s: float = 0.01):
+        self.pieces, self.delay_s = pieces, delay_s
+        self.closed_turns: list[int] = []
+        self.interrupted: list[int] = []
+
+    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        try:
+            for i in range(self.pieces):
+                time.sleep(self.delay_s)
+                yield TextDelta(turn=msg.turn, text=f"{i} ")
+            yield TextDelta(turn=msg.turn, text="", end=True)
+        except GeneratorExit:
+            self.closed_turns.append(msg.turn)
+            raise
+
+    def on_interrupt(self, turn: int) -> None:
+        self.interrupted.append(turn)

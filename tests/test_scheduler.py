@@ -1,0 +1,152 @@
+"""The scheduler: drain on end of stream, failures, signals, interrupts, sessions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from s2s_flow.errors import NodeFailed
+from s2s_flow.graph import build_graph
+from s2s_flow.messages import Transcript
+from s2s_flow.scheduler import Scheduler
+from s2s_flow.validate import validate
+
+T = "tests.support.nodes."
+
+
+def make(chain: dict, **extra) -> Scheduler:
+    cfg = OmegaConf.create({"chain": list(chain), **chain, **extra})
+    return validate(build_graph(cfg))
+
+
+def scheduler(tmp_path, chain: dict, **extra) -> Scheduler:
+    return Scheduler(make(chain, **extra), tmp_path)
+
+
+def node(s: Scheduler, name: str):
+    return s.graph.nodes[name].node
+
+
+def test_end_of_stream_drains_every_message_in_order(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 500},
+                             "up": {"_target_": T + "Upper", "delay_s": 0.0},
+                             "out": {"_target_": T + "Collect"}},
+                  rings={"out": {"text": {"capacity": 2}}})
+    s.run()
+    got = node(s, "out").got
+    assert [m.text for m in got] == [f":{i}" for i in range(500)]
+    assert node(s, "out").finished == 1
+    assert s.ring_stats["up.text -> out.text"]["high_water"] <= 2
+    assert s.ring_stats["src.text -> up.text"]["puts"] == 500
+
+
+def test_a_failing_node_stops_the_graph_promptly_and_is_named(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 100000},
+                             "up": {"_target_": T + "Upper"},
+                             "out": {"_target_": T + "Collect", "fail_on": ":50"}})
+    t0 = time.monotonic()
+    with pytest.raises(NodeFailed, match=r"node 'out' failed: RuntimeError: boom on :50"):
+        s.run()
+    assert time.monotonic() - t0 < 1.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("node:")]
+
+
+def test_a_node_stuck_in_process_is_closed_to_unblock_it_when_another_fails(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 3},
+                             "stuck": {"_target_": T + "Blocker"},
+                             "out": {"_target_": T + "Collect"}})
+    stuck = node(s, "stuck")
+    threading.Timer(0.2, s._fail, args=("out", RuntimeError("disk full"))).start()
+    t0 = time.monotonic()
+    with pytest.raises(NodeFailed, match="disk full"):
+        s.run()
+    assert time.monotonic() - t0 < 1.5 and stuck.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("node:")]
+
+
+def test_setup_runs_in_parallel_and_a_setup_failure_names_the_node(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
+                             "slow": {"_target_": T + "SlowSetup", "seconds": 0.3}},
+                  nodes={"slow2": {"_target_": T + "SlowSetup", "seconds": 0.3}},
+                  edges=["up.text -> slow2.text"])
+    t0 = time.monotonic()
+    s.run()
+    assert time.monotonic() - t0 < 0.55  # two 0.3 s setups overlapped
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
+                             "bad": {"_target_": T + "SlowSetup", "seconds": 0.0, "fail": True}})
+    with pytest.raises(NodeFailed, match="node 'bad' failed: RuntimeError: model file is corrupt"):
+        s.run()
+
+
+def test_each_session_resets_nodes_and_records_its_conversation(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 4, "turns": 2,
+                                     "sessions": ["a", "b"]},
+                             "up": {"_target_": T + "Upper"}, "out": {"_target_": T + "Collect"}})
+    s.run()
+    assert [m.text for m in node(s, "out").got] == [f"{c}:{i}".upper() for c in "ab" for i in range(4)]
+    assert node(s, "up").resets == 1 and node(s, "out").finished == 2
+
+
+def test_interrupt_flushes_stale_turns_closes_the_stream_and_lets_the_new_turn_through(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 0},
+                             "llm": {"_target_": T + "Streamer", "pieces": 200, "delay_s": 0.005},
+                             "out": {"_target_": T + "Collect"}})
+    llm, out = node(s, "llm"), node(s, "out")
+
+    def feed() -> None:  # a user turn, then barge-in by turn 2 while turn 1 streams
+        ring = s._runs["llm"].inbox.rings[0]
+        ring.put(Transcript(turn=1, text="hello"))
+        time.sleep(0.15)
+        s.interrupt(2)
+        ring.put(Transcript(turn=2, text="stop"))
+
+    s._runs["src"].node.produce = lambda: (time.sleep(0.6) or iter(()))  # keep the session open
+    threading.Timer(0.05, feed).start()
+    s.run()
+    turn1 = [m for m in out.got if m.turn == 1]
+    turn2 = [m for m in out.got if m.turn == 2]
+    assert llm.interrupted == [2] and 1 in llm.closed_turns
+    assert 0 < len(turn1) < 200 and not any(m.end for m in turn1)
+    assert any(m.end for m in turn2)
+    assert [e for e in s.trace.events if e["kind"] == "interrupt"][0]["turn"] == 2
+
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, ".")
+    from omegaconf import OmegaConf
+    from s2s_flow.graph import build_graph
+    from s2s_flow.scheduler import Scheduler, Stopped
+    from s2s_flow.validate import validate
+    T = "tests.support.nodes."
+    cfg = OmegaConf.create({"chain": ["src", "up", "out"], "src": {"_target_": T + "CountSource", "n": 10**9},
+                            "up": {"_target_": T + "Upper", "delay_s": 0.001}, "out": {"_target_": T + "Collect"}})
+    s = Scheduler(validate(build_graph(cfg)), ".")
+    print("running", flush=True)
+    try:
+        s.run()
+    except Stopped as exc:
+        print("stopped:", exc, flush=True)
+        sys.exit(130)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_stop_a_running_graph_within_a_second(sig, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT], cwd=os.getcwd(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "running"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=10)
+    assert time.monotonic() - t0 < 1.0, err
+    assert proc.returncode == 130 and f"stopped by {sig.name}" in out
