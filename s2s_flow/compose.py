@@ -22,8 +22,8 @@ def conf_dir() -> Path:
     for candidate in (here.parent / "conf", here / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate
-    raise ConfigError(f"s2s-flow's configs are missing (looked in {here.parent / 'conf'} and {here / 'conf'}); "
-                      "reinstall the package")
+    raise ConfigError(f"s2s-flow's configs are missing (looked in {here.parent / 'conf'} and "
+                      f"{here / 'conf'}); reinstall the package")
 
 
 def search_path() -> list[str]:
@@ -36,7 +36,8 @@ def search_path() -> list[str]:
 def config_error(exc: BaseException) -> ConfigError:
     """One paragraph for the common Hydra/OmegaConf failures; the raw text otherwise."""
     text = str(exc).strip()
-    m = re.search(r"Could not find '([\w/]+)/(\w[\w.-]*)'\s*\n*\s*Available options in '(\w+)':\s*(.*)", text, re.S)
+    m = re.search(r"Could not find '([\w/]+)/(\w[\w.-]*)'\s*\n*\s*Available options in '(\w+)':\s*(.*)",
+                  text, re.S)
     if m:
         group, bad, options = m.group(1), m.group(2), m.group(4).split()
         return ConfigError(f"{group}={bad} is not a known {group} option; choose one of: "

@@ -33,6 +33,8 @@ class Message:
 
     #: Default ring for edges carrying this type: (capacity, policy).
     ring: ClassVar[tuple[int, str]] = (64, "block")
+    #: Whether marks() can return anything (lets the trace skip the call on the hot path).
+    has_marks: ClassVar[bool] = False
 
     def marks(self) -> dict[str, float]:
         """Milestones this message stands for, as {name: monotonic time}; read by the trace."""
@@ -60,6 +62,8 @@ class SpeechStarted(Message):
 
     start: float = 0.0
 
+    has_marks: ClassVar[bool] = True
+
     def marks(self) -> dict[str, float]:
         return {"speech_started": self.t}
 
@@ -80,6 +84,8 @@ class Speech(Message):
 
     ring: ClassVar[tuple[int, str]] = (8, "block")
 
+    has_marks: ClassVar[bool] = True
+
     def marks(self) -> dict[str, float]:
         return {"speech_end": self.speech_end_t}
 
@@ -91,6 +97,8 @@ class Transcript(Message):
     final: bool = True
 
     ring: ClassVar[tuple[int, str]] = (16, "block")
+
+    has_marks: ClassVar[bool] = True
 
     def marks(self) -> dict[str, float]:
         return {"transcript_final": self.t} if self.final else {"transcript_partial": self.t}
@@ -105,6 +113,8 @@ class TextDelta(Message):
     end: bool = False
 
     ring: ClassVar[tuple[int, str]] = (256, "block")
+
+    has_marks: ClassVar[bool] = True
 
     def marks(self) -> dict[str, float]:
         if self.sentence_end:
@@ -122,6 +132,8 @@ class AudioOut(Message):
     end: bool = False
 
     ring: ClassVar[tuple[int, str]] = (64, "block")
+
+    has_marks: ClassVar[bool] = True
 
     def marks(self) -> dict[str, float]:
         return {"audio": self.t} if len(self.pcm) else {}

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox"]
 
 POLICIES = ("block", "drop_oldest", "drop_newest")
+_now = time.monotonic
 
 
 class RingClosed(Exception):
@@ -45,15 +46,33 @@ class Inbox:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.ready = threading.Condition(self.lock)
         self.rings: list[Ring] = []
         self.control: deque[Any] = deque()
-        self._waiting = False
+        self._waiter: Any = None  # a locked lock the sleeping consumer waits on, else None
 
     def wake(self) -> None:
-        """Call with ``lock`` held, after adding something the consumer may want."""
-        if self._waiting:
-            self.ready.notify()
+        """Call with ``lock`` held, after adding something the consumer may want.
+
+        Cheaper than Condition.notify on the hot path: nothing to do unless the consumer
+        sleeps, and then one lock release wakes it.
+        """
+        if self._waiter is not None:
+            self._waiter.release()
+            self._waiter = None
+
+    def sleep(self, timeout: float | None) -> bool:
+        """Call with ``lock`` held: release it until woken or timed out, then retake it."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiter = waiter
+        self.lock.release()
+        try:
+            woken = waiter.acquire(True, -1 if timeout is None else max(0.0, timeout))
+        finally:
+            self.lock.acquire()
+            if self._waiter is waiter:
+                self._waiter = None
+        return woken
 
     def post_control(self, item: Any) -> None:
         """Control never waits behind data: it has its own unbounded lane (rare items)."""
@@ -69,12 +88,8 @@ class Inbox:
         """
         with self.lock:
             while not self.control and not any(r._items for r in self.rings) and not self._done():
-                self._waiting = True
-                try:
-                    if not self.ready.wait(timeout):
-                        break
-                finally:
-                    self._waiting = False
+                if not self.sleep(timeout):
+                    break
             control = list(self.control)
             self.control.clear()
             data: list[tuple[Ring, float, Any]] = []
@@ -134,12 +149,48 @@ class Ring:
                 else:
                     self.drops += 1
                     return False
-            self._items.append((time.monotonic(), item))
+            items = self._items
+            items.append((_now(), item))
             self.puts += 1
-            if len(self._items) > self.high_water:
-                self.high_water = len(self._items)
-            self.inbox.wake()
+            if len(items) > self.high_water:
+                self.high_water = len(items)
+            inbox = self.inbox
+            if inbox._waiter is not None:
+                inbox.wake()
             return kept
+
+    def put_many(self, items: list[Any]) -> None:
+        """Put several items, taking the lock once per run of items that fits.
+
+        Policies apply as in :meth:`put`; a ``block`` ring waits for room between runs.
+        """
+        if self.policy != "block":
+            for item in items:
+                self.put(item)
+            return
+        i, n = 0, len(items)
+        while i < n:
+            with self._lock:
+                if len(self._items) >= self.capacity and not self._closed:
+                    t0 = time.perf_counter()
+                    self._blocked_waiters += 1
+                    try:
+                        while len(self._items) >= self.capacity and not self._closed:
+                            self._not_full.wait()
+                    finally:
+                        self._blocked_waiters -= 1
+                    self.blocked_s += time.perf_counter() - t0
+                if self._closed:
+                    raise RingClosed(self.name)
+                take = min(n - i, self.capacity - len(self._items))
+                now = _now()
+                self._items.extend((now, item) for item in items[i:i + take])
+                i += take
+                self.puts += take
+                if len(self._items) > self.high_water:
+                    self.high_water = len(self._items)
+                if self.inbox._waiter is not None:
+                    self.inbox.wake()
 
     def get(self, timeout: float | None = None) -> Any:
         """Take the oldest item, waiting up to ``timeout``; raises RingClosed once closed and empty.
@@ -154,11 +205,7 @@ class Ring:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(self.name)
-                self.inbox._waiting = True
-                try:
-                    self.inbox.ready.wait(remaining)
-                finally:
-                    self.inbox._waiting = False
+                self.inbox.sleep(remaining)
             _, item = self._items.popleft()
             if self._blocked_waiters:
                 self._not_full.notify()
@@ -186,7 +233,7 @@ class Ring:
                 self.drops += len(self._items)
                 self._items.clear()
             self._not_full.notify_all()
-            self.inbox.ready.notify_all()
+            self.inbox.wake()
 
     @property
     def closed(self) -> bool:

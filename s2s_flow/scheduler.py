@@ -23,6 +23,7 @@ import time
 from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import GeneratorType
 from typing import Any
 
 from s2s_flow.errors import NodeFailed, S2SError
@@ -35,6 +36,8 @@ from s2s_flow.trace import NodeTurn, Trace
 __all__ = ["Scheduler", "Stopped"]
 
 _STOP = object()  # control item: leave the loop now
+_now = time.monotonic
+BATCH_BUDGET_S = 0.001  # returned outputs wait at most this long for their batch to finish
 
 
 class Stopped(S2SError):
@@ -74,6 +77,7 @@ class Scheduler:
         self._epoch = 0
         self._epoch_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._stopped = False  # mirrors _stopping; a plain read on the hot path
         self._error: tuple[str, BaseException] | None = None
         self._stop_reason: str | None = None
         self._closed: set[str] = set()
@@ -114,6 +118,7 @@ class Scheduler:
         if self._stopping.is_set():
             return
         self._stop_reason = reason
+        self._stopped = True
         self._stopping.set()
         for run in self._runs.values():
             for ring in run.inbox.rings:
@@ -215,7 +220,7 @@ class Scheduler:
     def _wait_threads(self) -> None:
         threads = [r.thread for r in self._runs.values() if r.thread is not None]
         while any(t.is_alive() for t in threads):
-            if self._stopping.is_set():
+            if self._stopped:
                 self._join_stopping()
                 return
             for t in threads:
@@ -250,48 +255,93 @@ class Scheduler:
             self._close_outputs(run)
 
     def _node_loop(self, run: _Running) -> None:
-        node, table, trace = run.node, run.table, self.trace
+        """Feed the node every message of each batch its inbox hands over.
+
+        Outputs a node *returns* are forwarded per batch, one lock per ring (within
+        ``BATCH_BUDGET_S``); outputs it *yields* stream out one by one as they come, so a
+        streaming stage (LLM tokens, TTS sentences) is never held back.
+        """
+        node, table, received = run.node, run.table, self.trace.received
+        pending: list[Message] = []
         try:
             while True:
                 control, data, done = run.inbox.wait()
-                if _STOP in control or self._stopping.is_set():
+                if _STOP in control or self._stopped:
                     return
+                now = started = _now()  # one clock read per batch: the batch arrived at once
                 for ring, t_put, msg in data:
                     if 0 < msg.turn < self._epoch:
                         continue  # stale: an interrupt moved past its turn
-                    now = time.monotonic()
-                    trace.received(table, msg, now, now - t_put)
-                    self._emit(run, node.process(ring.dst_port, msg))
-                    if self._stopping.is_set():
+                    received(table, msg, now, now - t_put)
+                    out = node.process(ring.dst_port, msg)
+                    if out is None:
+                        pass
+                    elif type(out) is GeneratorType:
+                        self._forward(run, pending)
+                        self._emit(run, out)
+                    elif isinstance(out, Message):
+                        pending.append(out)
+                    else:
+                        pending.extend(out)
+                    if pending and _now() - started > BATCH_BUDGET_S:
+                        self._forward(run, pending)
+                        started = _now()
+                    if self._stopped:
                         return
+                self._forward(run, pending)
                 if done:
                     self._emit(run, node.finish())
                     return
         except RingClosed:
-            if not self._stopping.is_set():
+            if not self._stopped:
                 raise
         except BaseException as exc:
             self._fail(run.name, exc)
         finally:
             self._close_outputs(run)
 
+    def _forward(self, run: _Running, pending: list[Message]) -> None:
+        """Send collected outputs, grouped per output port, then clear the list."""
+        if not pending:
+            return
+        by_port: dict[str, list[Message]] = {}
+        table, emitted, ports, epoch = run.table, self.trace.emitted, run._ports, self._epoch
+        now = _now()
+        for msg in pending:
+            if type(msg) is tuple:
+                port, msg = msg
+            else:
+                port = ports.get(type(msg)) or run.port_of(msg)
+            if 0 < msg.turn < epoch:
+                continue
+            emitted(table, msg, now)
+            if port in by_port:
+                by_port[port].append(msg)
+            else:
+                by_port[port] = [msg]
+        pending.clear()
+        for port, msgs in by_port.items():
+            for ring in run.outputs.get(port, ()):
+                ring.put_many(msgs)
+
     def _emit(self, run: _Running, out: Iterable[Any] | Message | None) -> None:
         if out is None:
             return
         if isinstance(out, Message):
             out = (out,)
-        table, trace = run.table, self.trace
+        table, emitted, outputs, ports = run.table, self.trace.emitted, run.outputs, run._ports
         for item in out:
             if type(item) is tuple:
                 port, msg = item
             else:
-                msg, port = item, run.port_of(item)
-            if 0 < msg.turn < self._epoch or self._stopping.is_set():
+                msg = item
+                port = ports.get(type(msg)) or run.port_of(msg)
+            if 0 < msg.turn < self._epoch or self._stopped:
                 if isinstance(out, Generator):
                     out.close()  # e.g. closes a streaming HTTP request of an interrupted turn
                 return
-            trace.emitted(table, msg, time.monotonic())
-            for ring in run.outputs.get(port, ()):
+            emitted(table, msg, _now())
+            for ring in outputs.get(port, ()):
                 ring.put(msg)
 
     def _close_outputs(self, run: _Running) -> None:

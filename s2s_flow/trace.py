@@ -42,33 +42,32 @@ class Trace:
     def node(self, name: str) -> dict[int, NodeTurn]:
         return self.nodes.setdefault(name, {})
 
-    @staticmethod
-    def _turn(table: dict[int, NodeTurn], turn: int) -> NodeTurn:
-        rec = table.get(turn)
-        if rec is None:
-            rec = table[turn] = NodeTurn()
-        return rec
-
     def received(self, table: dict[int, NodeTurn], msg: Message, now: float, waited: float) -> None:
-        rec = self._turn(table, msg.turn)
-        if rec.first_in is None:
+        rec = table.get(msg.turn)
+        if rec is None:
+            rec = table[msg.turn] = NodeTurn(first_in=now)
+        elif rec.first_in is None:
             rec.first_in = now
         rec.last_in = now
         rec.n_in += 1
         rec.wait_s += waited
         if waited > rec.wait_max_s:
             rec.wait_max_s = waited
-        for name in msg.marks():
-            rec.marks.setdefault("in:" + name, now)
+        if msg.has_marks:
+            for name in msg.marks():
+                rec.marks.setdefault("in:" + name, now)
 
     def emitted(self, table: dict[int, NodeTurn], msg: Message, now: float) -> None:
-        rec = self._turn(table, msg.turn)
-        if rec.first_out is None:
+        rec = table.get(msg.turn)
+        if rec is None:
+            rec = table[msg.turn] = NodeTurn(first_out=now)
+        elif rec.first_out is None:
             rec.first_out = now
         rec.last_out = now
         rec.n_out += 1
-        for name, at in msg.marks().items():
-            rec.marks.setdefault("out:" + name, at)
+        if msg.has_marks:
+            for name, at in msg.marks().items():
+                rec.marks.setdefault("out:" + name, at)
 
     def event(self, kind: str, **fields: Any) -> None:
         self.events.append({"kind": kind, "t": time.monotonic(), **fields})

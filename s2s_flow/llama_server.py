@@ -1,0 +1,289 @@
+"""Build and locate llama.cpp's ``llama-server`` binary.
+
+The sources come from the ``llama-cpp-python`` sdist on PyPI (it vendors llama.cpp), so a
+machine that can reach PyPI but no model hub or GitHub can still get a server. The binary
+is built once and cached under ``cache_dir()``. Standard library only, so importing this
+module costs nothing.
+
+    s2s-build-llama-server                # build once (a few minutes on 2 cores)
+    s2s-build-llama-server --print-path   # where the binary is, or exit 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+# Small, portable, self-contained: no -march=native (the cache may move between CPUs), no
+# shared libs (the build tree is deleted), no network at build or run time (curl, OpenSSL,
+# and the web UI, which would otherwise be fetched from a Hugging Face bucket).
+CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+
+_MISSING_TOOLCHAIN = (
+    "cannot build llama-server: {missing} not found on PATH. Building needs cmake (>= 3.14) "
+    "and a C++17 compiler; on Debian/Ubuntu run `apt-get install cmake g++` (on macOS "
+    "`xcode-select --install && brew install cmake`), then rerun `s2s-build-llama-server`. "
+    "Alternatively point S2S_LLAMA_SERVER at an existing llama-server binary, or put one "
+    "on PATH."
+)
+
+
+class BuildError(RuntimeError):
+    """The toolchain is missing or a build step failed; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """Root of s2s-flow's on-disk cache: ``$S2S_FLOW_CACHE`` or ``~/.cache/s2s-flow``."""
+    env = os.environ.get("S2S_FLOW_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "s2s-flow"
+
+
+def install_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    return cache_dir() / "llama-server" / version
+
+
+def cached_binary(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    return install_dir(version) / "bin" / "llama-server"
+
+
+def find_llama_server() -> Path | None:
+    """``$S2S_LLAMA_SERVER``, else the cached build, else ``llama-server`` on PATH."""
+    env = os.environ.get("S2S_LLAMA_SERVER")
+    if env:
+        return Path(env).expanduser()
+    cached = cached_binary()
+    if cached.is_file() and os.access(cached, os.X_OK):
+        return cached
+    on_path = shutil.which("llama-server")
+    return Path(on_path) if on_path else None
+
+
+def build(
+    force: bool = False,
+    *,
+    jobs: int | None = None,
+    verbose: bool = False,
+    log=print,
+) -> Path:
+    """Build llama-server into the cache and return its path; returns at once if cached.
+
+    A file lock makes concurrent callers wait for one build instead of racing; the install
+    is a directory rename, so a reader never sees a half-written binary.
+    """
+    target = cached_binary()
+    if target.is_file() and not force:
+        return target
+    _check_toolchain()
+    target.parent.parent.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(install_dir().with_name(f".{LLAMA_CPP_PYTHON_VERSION}.lock")):
+        if target.is_file() and not force:  # another process built it while we waited
+            return target
+        with tempfile.TemporaryDirectory(prefix="s2s-llama-build-") as tmp:
+            _build_in(Path(tmp), jobs or os.cpu_count() or 2, verbose, log)
+    return target
+
+
+def _check_toolchain() -> None:
+    missing = []
+    if shutil.which("cmake") is None:
+        missing.append("cmake")
+    compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
+    if not any(c and shutil.which(c) for c in compilers):
+        missing.append("a C++ compiler (c++, g++ or clang++)")
+    if missing:
+        raise BuildError(_MISSING_TOOLCHAIN.format(missing=" and ".join(missing)))
+    if importlib.util.find_spec("pip") is None:  # e.g. a venv made by uv
+        raise BuildError(
+            f"cannot build llama-server: pip is not installed in {sys.executable}, and it is "
+            "what downloads the llama-cpp-python sources. Run `python -m ensurepip` (or "
+            "`uv pip install pip`) and retry."
+        )
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    import fcntl  # POSIX only; imported here so `find_llama_server` works everywhere
+
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_in(tmp: Path, jobs: int, verbose: bool, log) -> None:
+    started = time.monotonic()
+    log_path = tmp / "build.log"
+
+    def step(msg: str) -> None:
+        log(f"[{time.monotonic() - started:6.1f}s] {msg}")
+
+    def run(cmd: list[str], what: str) -> None:
+        step(f"{what}: {' '.join(cmd)}")
+        with open(log_path, "a") as out:
+            proc = subprocess.run(
+                cmd,
+                stdout=None if verbose else out,
+                stderr=subprocess.STDOUT if not verbose else None,
+                stdin=subprocess.DEVNULL,
+            )
+        if proc.returncode != 0:
+            tail = "" if verbose else _tail(log_path, 40)
+            raise BuildError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+
+    sdist = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "-d",
+            str(tmp / "sdist"),
+            sdist,
+        ],
+        f"download {sdist} sources from PyPI",
+    )
+    archives = list((tmp / "sdist").glob("llama_cpp_python-*.tar.gz"))
+    if not archives:
+        raise BuildError(f"pip download of {sdist} produced no .tar.gz in {tmp / 'sdist'}")
+    step(f"extract {archives[0].name}")
+    with tarfile.open(archives[0]) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse odd members
+            tar.extractall(tmp / "src", filter="data")
+        else:
+            tar.extractall(tmp / "src")
+    (src,) = (tmp / "src").iterdir()
+    llama_cpp = src / "vendor" / "llama.cpp"
+
+    build_dir = tmp / "build"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    run(["cmake", "-S", str(llama_cpp), "-B", str(build_dir), *generator, *CMAKE_ARGS], "configure")
+    run(
+        ["cmake", "--build", str(build_dir), "--target", "llama-server", "--parallel", str(jobs)],
+        f"compile llama-server with {jobs} jobs (minutes)",
+    )
+
+    built = next((p for p in build_dir.rglob("llama-server") if p.is_file()), None)
+    if built is None:
+        raise BuildError(f"the build finished but no llama-server binary is in {build_dir}")
+    version = subprocess.run([str(built), "--version"], capture_output=True, text=True, timeout=60)
+    version_text = (version.stdout + version.stderr).strip()
+    if version.returncode != 0:
+        raise BuildError(f"the freshly built llama-server does not run:\n{version_text}")
+
+    seconds = round(time.monotonic() - started, 1)
+    _install(
+        built,
+        {
+            "llama_cpp_python_version": LLAMA_CPP_PYTHON_VERSION,
+            "llama_server_version": version_text,
+            "cmake_args": list(CMAKE_ARGS),
+            "jobs": jobs,
+            "build_seconds": seconds,
+            "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+        },
+    )
+    step(f"installed {cached_binary()} ({version_text.splitlines()[0]})")
+
+
+def _install(binary: Path, info: dict) -> None:
+    final = install_dir()
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
+    (staging / "bin").mkdir()
+    shutil.copy2(binary, staging / "bin" / "llama-server")
+    (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+    staging.chmod(0o755)
+    old = None
+    if final.exists():  # --force: move the old build aside, swap, then delete it
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        final.rename(old)
+    staging.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script ``s2s-build-llama-server``."""
+    parser = argparse.ArgumentParser(
+        prog="s2s-build-llama-server",
+        description="Build llama.cpp's llama-server from the llama-cpp-python "
+        f"{LLAMA_CPP_PYTHON_VERSION} sdist and cache it under {install_dir()}.",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument(
+        "--print-path",
+        action="store_true",
+        help="print the llama-server that would be used and exit (exit 1 if there is none); builds nothing",
+    )
+    parser.add_argument(
+        "--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)"
+    )
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="show the compiler output instead of logging it"
+    )
+    args = parser.parse_args(argv)
+
+    if args.print_path:
+        found = find_llama_server()
+        if found is None:
+            print("no llama-server: run `s2s-build-llama-server`", file=sys.stderr)
+            return 1
+        print(found)
+        return 0
+
+    if cached_binary().is_file() and not args.force:
+        print(f"llama-server already built: {cached_binary()} (use --force to rebuild)")
+        return 0
+    try:
+        path = build(force=args.force, jobs=args.jobs, verbose=args.verbose)
+    except BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
