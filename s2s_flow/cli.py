@@ -29,6 +29,8 @@ __all__ = ["main", "describe", "plan"]
 
 def plan(cfg: DictConfig, choices: dict[str, str]) -> Graph:
     """Compose-time work: wire and validate the graph. Loads no model."""
+    if not isinstance(cfg.get("dry_run"), bool):
+        raise ConfigError(f"dry_run={cfg.get('dry_run')!r} must be true or false")
     return validate(build_graph(cfg, choices), conf_dir())
 
 

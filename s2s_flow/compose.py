@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,18 @@ from s2s_flow.errors import ConfigError
 __all__ = ["conf_dir", "compose", "config_error", "redact", "search_path"]
 
 _SECRET = re.compile(r"(api_?key|token|secret|password)", re.I)
+
+
+def _package_gguf(package: str) -> str:
+    from s2s_flow.server import package_gguf  # lazy: server.py imports http machinery
+
+    return package_gguf(package)
+
+
+# ${s2s.gguf:PACKAGE}: a GGUF inside an installed wheel (recipes' server.model), so that
+# `s2s-run recipe=local_cpu --cfg job --resolve` works too.
+if not OmegaConf.has_resolver("s2s.gguf"):
+    OmegaConf.register_new_resolver("s2s.gguf", _package_gguf)
 
 
 def conf_dir() -> Path:
@@ -33,24 +46,51 @@ def search_path() -> list[str]:
     return [f"file://{Path(p).expanduser().resolve()}" for p in roots]
 
 
-def config_error(exc: BaseException) -> ConfigError:
-    """One paragraph for the common Hydra/OmegaConf failures; the raw text otherwise."""
+def config_error(exc: BaseException, overrides: list[str] = ()) -> ConfigError:
+    """One paragraph for the common Hydra/OmegaConf failures; the raw first line otherwise."""
     text = str(exc).strip()
-    m = re.search(r"Could not find '([\w/]+)/(\w[\w.-]*)'\s*\n*\s*Available options in '(\w+)':\s*(.*)",
-                  text, re.S)
+    m = re.search(r"Could not find '([\w/]+)/([^']*)'\s*Available options in '\w+':\s*(.*?)"
+                  r"(Config search path|$)", text, re.S)
     if m:
-        group, bad, options = m.group(1), m.group(2), m.group(4).split()
-        return ConfigError(f"{group}={bad} is not a known {group} option; choose one of: "
+        group, bad, options = m.group(1), m.group(2), m.group(3).split()
+        close = difflib.get_close_matches(bad, options, n=1)
+        hint = f"did you mean {group}={close[0]}? " if close else ""
+        return ConfigError(f"{group}={bad} is not a known {group} option; {hint}choose one of: "
                            f"{', '.join(f'{group}={o}' for o in options)}")
-    m = re.search(r"Could not override '([\w.]+)'.*?Key '(\w+)' is not in struct", text, re.S)
+    m = re.search(r"Could not find '([\w/]+)/'", text)
     if m:
-        return ConfigError(f"{m.group(1)} is not a known option ({text.splitlines()[0]}); check the spelling "
-                           f"with `s2s-run --cfg job`, or add it with +{m.group(1)}=... if it is new")
-    if "Error parsing override" in text or "mismatched input" in text or "no viable alternative" in text:
+        return ConfigError(f"{m.group(1)}= names no option; write {m.group(1)}=NAME "
+                           f"(the files in conf/{m.group(1)}/ are the options)")
+    m = re.search(r"Could not override '([\w.]+)'", text)
+    if m:
+        key = m.group(1)
+        return _unknown_key(key, [o for o in overrides if not o.lstrip("+~").startswith(key + "=")])
+    if re.search(r"Error parsing override|mismatched input|no viable alternative|LexerNoViableAlt", text):
         first = text.splitlines()[0]
-        return ConfigError(f"{first}. Overrides look like group=option or key.sub=value "
-                           "(e.g. llm=chat llm.model=qwen3 io.input=question.wav)")
+        return ConfigError(f"cannot parse the override ({first}). Overrides look like group=option or "
+                           "key.sub=value (e.g. llm=chat llm.model=qwen3 io.input=q.wav); quote values "
+                           """with special characters: 'edges=["stt.text -> log.in"]'""")
     return ConfigError(text.splitlines()[0] if text else type(exc).__name__)
+
+
+def _unknown_key(key: str, other_overrides: list[str]) -> ConfigError:
+    """'llm.modle' -> did you mean llm.model? (looked up in the config the other overrides compose)."""
+    parent, _, leaf = key.rpartition(".")
+    try:
+        cfg, _ = compose(other_overrides)
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        while not isinstance(node, DictConfig) and parent:  # climb to the deepest existing level
+            parent, _, leaf = parent.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+        keys = [str(k) for k in node] if isinstance(node, DictConfig) else []
+    except ConfigError:
+        keys = []
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    where = f"{parent}." if parent else ""
+    hint = f"did you mean {where}{close[0]}? " if close else ""
+    known = f"(known: {', '.join(where + k for k in keys if not k.startswith('_'))})" if keys else ""
+    return ConfigError(f"{key} is not a known option; {hint}{known} "
+                       f"-- add a new key with +{key}=... only if a node takes it".replace("  ", " "))
 
 
 def compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
@@ -69,7 +109,7 @@ def compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     except ConfigError:
         raise
     except Exception as exc:
-        raise config_error(exc) from None
+        raise config_error(exc, overrides) from None
     finally:
         GlobalHydra.instance().clear()
     choices = {k: str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None}

