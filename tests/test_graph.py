@@ -1,0 +1,92 @@
+"""Graph wiring by port type, explicit edges, and validation before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from s2s_flow.compose import compose
+from s2s_flow.errors import ConfigError
+from s2s_flow.graph import build_graph
+from s2s_flow.scheduler import Scheduler
+from s2s_flow.validate import check_params, validate
+
+T = "tests.support.nodes."
+
+
+def edges(graph) -> set[str]:
+    return {e.key for e in graph.edges}
+
+
+def test_the_default_chain_is_wired_by_port_types_with_taps_into_the_sink():
+    cfg, choices = compose([])
+    g = validate(build_graph(cfg, choices))
+    assert edges(g) == {"source.audio -> vad.audio", "vad.speech -> stt.audio", "stt.text -> llm.text",
+                        "llm.text -> tts.text", "tts.audio -> sink.audio", "stt.text -> sink.user",
+                        "llm.text -> sink.agent"}
+    assert g.nodes["llm"].label == "llm=chat"
+
+
+def test_ring_capacity_and_policy_default_by_type_and_can_be_set_per_edge():
+    cfg, choices = compose(["+rings.tts.text.capacity=3", "+rings.tts.text.policy=drop_newest"])
+    g = validate(build_graph(cfg, choices))
+    by_key = {e.key: e for e in g.edges}
+    assert (by_key["llm.text -> tts.text"].capacity, by_key["llm.text -> tts.text"].policy) == (3, "drop_newest")
+    assert by_key["llm.text -> sink.agent"].policy == "block"  # only the named input changed
+    assert by_key["vad.speech -> stt.audio"].capacity == 8
+
+
+def test_explicit_edges_tee_transcripts_into_a_jsonl_sink_and_it_records_them(tmp_path):
+    cfg = OmegaConf.create({
+        "chain": ["src", "up", "out"],
+        "src": {"_target_": T + "CountSource", "n": 3}, "up": {"_target_": T + "Upper"},
+        "out": {"_target_": T + "Collect"},
+        "nodes": {"log": {"_target_": "nodes.io.jsonl.JsonlSink", "path": "t.jsonl"}},
+        "edges": ["src.text -> log.in"],
+    })
+    g = validate(build_graph(cfg))
+    assert "src.text -> log.in" in edges(g) and "src.text -> up.text" in edges(g)
+    Scheduler(g, tmp_path).run()
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in rows] == [":0", ":1", ":2"] and rows[0]["type"] == "Transcript"
+
+
+def test_an_explicit_edge_replaces_the_chain_edge_into_the_same_input():
+    cfg = OmegaConf.create({
+        "chain": ["src", "up", "out"],
+        "src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
+        "out": {"_target_": T + "Collect"},
+        "nodes": {"up2": {"_target_": T + "Upper"}},
+        "edges": ["src.text -> up2.text", "up2.text -> out.text"],
+    })
+    g = validate(build_graph(cfg))
+    assert "up.text -> out.text" not in edges(g) and "up2.text -> out.text" in edges(g)
+
+
+def test_explicit_edges_with_incompatible_types_are_rejected():
+    cfg = OmegaConf.create({
+        "chain": ["src", "up", "out"],
+        "src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
+        "out": {"_target_": T + "Collect"}, "edges": ["up.text -> up.text"],
+    })
+    with pytest.raises(ConfigError, match="produces TextDelta but up.text takes Transcript"):
+        build_graph(cfg)
+
+
+def test_unknown_node_parameters_get_a_did_you_mean():
+    from nodes.io.wav import WavSink
+
+    with pytest.raises(ConfigError, match=r"io.sink.outptu_dir is not an option of WavSink: did you mean "
+                                          r"io.sink.output_dir\?"):
+        check_params(WavSink, {"outptu_dir": "x"}, "io.sink")
+
+
+def test_a_target_that_is_not_a_node_class_is_rejected():
+    cfg = OmegaConf.create({"chain": ["x"], "x": {"_target_": "collections.OrderedDict"}})
+    with pytest.raises(ConfigError, match="is not a s2s_flow Node subclass"):
+        build_graph(cfg)
+    cfg = OmegaConf.create({"chain": ["x"], "x": {"_target_": "nodes.llm.nope.Nope"}})
+    with pytest.raises(ConfigError, match="names no importable node class"):
+        build_graph(cfg)
