@@ -257,12 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the llama-server that would be used and exit (exit 1 if there is none); builds nothing",
     )
-    parser.add_argument(
-        "--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)"
-    )
-    parser.add_argument(
-        "--verbose", "-v", action="store_true", help="show the compiler output instead of logging it"
-    )
+    parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show the compiler output instead of logging it")
     args = parser.parse_args(argv)
 
     if args.print_path:

