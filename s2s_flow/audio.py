@@ -6,7 +6,7 @@ import io
 
 import numpy as np
 
-__all__ = ["resample", "to_mono", "to_float32", "wav_bytes"]
+__all__ = ["resample", "to_mono", "to_float32", "wav_bytes", "StreamResampler"]
 
 
 def to_float32(pcm: np.ndarray) -> np.ndarray:
@@ -39,3 +39,24 @@ def wav_bytes(pcm: np.ndarray, rate: int) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, np.clip(to_float32(pcm), -1.0, 1.0), rate, subtype="PCM_16", format="WAV")
     return buf.getvalue()
+
+
+class StreamResampler:
+    """soxr with its filter state kept across blocks, so audio resampled piece by piece
+    (live input, a sentence streamed by TTS) has no clicks at the borders. Equal rates
+    pass through untouched; ``flush()`` returns the filter's tail at the end."""
+
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        self.rate_in, self.rate_out = rate_in, rate_out
+        self._soxr = None
+        if rate_in != rate_out:
+            import soxr
+
+            self._soxr = soxr.ResampleStream(rate_in, rate_out, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, pcm: np.ndarray, last: bool = False) -> np.ndarray:
+        pcm = np.ascontiguousarray(to_float32(pcm), dtype=np.float32)
+        return pcm if self._soxr is None else self._soxr.resample_chunk(pcm, last=last)
+
+    def flush(self) -> np.ndarray:
+        return self(np.zeros(0, np.float32), last=True)

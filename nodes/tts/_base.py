@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from s2s_flow.audio import to_float32
+from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node
@@ -27,27 +27,6 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 def speakable(text: str) -> bool:
     """A sentence worth synthesizing has at least one letter or digit (not just '...' or '*')."""
     return any(ch.isalnum() for ch in text)
-
-
-class _StreamResampler:
-    """Stateful soxr resampling for one sentence, so the borders of streamed pieces carry no clicks.
-
-    ``s2s_flow.audio.resample`` is one-shot; engines that stream a sentence in pieces need
-    the filter state kept across pieces. Equal rates pass through untouched.
-    """
-
-    def __init__(self, rate_in: int, rate_out: int) -> None:
-        self._stream = None
-        if rate_in != rate_out:
-            import soxr
-
-            self._stream = soxr.ResampleStream(rate_in, rate_out, 1, dtype="float32", quality="HQ")
-
-    def __call__(self, pcm: np.ndarray) -> np.ndarray:
-        return pcm if self._stream is None else self._stream.resample_chunk(pcm)
-
-    def flush(self) -> np.ndarray:
-        return _EMPTY if self._stream is None else self._stream.resample_chunk(_EMPTY, last=True)
 
 
 class SentenceTTS(Node):
@@ -147,14 +126,14 @@ class SentenceTTS(Node):
     def _speak(self, sentence: str, turn: int) -> Iterator[AudioOut]:
         self.speaking_turn = turn
         rate_out = self._out_rate()
-        resample: _StreamResampler | None = None
+        resample: StreamResampler | None = None
         pieces = self.synthesize(sentence)
         try:
             for pcm in pieces:
                 if self.interrupted(turn):
                     return
                 if resample is None:  # made at the first piece: a remote voice reports its rate late
-                    resample = _StreamResampler(self.native_rate, rate_out)
+                    resample = StreamResampler(self.native_rate, rate_out)
                 audio = to_float32(np.asarray(pcm).reshape(-1))
                 yield from self._chunks(resample(audio), rate_out, sentence, turn)
         finally:  # a barge-in leaves early: let the engine release its stream now
