@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from s2s_flow.compose import compose, conf_dir, redact, search_path
+from s2s_flow.compose import compose, conf_dir, redact, search_path, with_search_path
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.graph import Graph, build_graph
 from s2s_flow.validate import validate
@@ -51,6 +51,30 @@ def describe(graph: Graph) -> str:
     return "\n".join(lines)
 
 
+def _list_recipes(argv: list[str]) -> str:
+    """``s2s-run --list-recipes``: every recipe (built-in, then S2S_FLOW_CONFIG_PATH and
+    hydra.searchpath roots) with the first line of its header and the command that runs it."""
+    roots = [conf_dir(), *(p.removeprefix("file://") for p in search_path())]
+    for arg in argv:
+        if arg.startswith("hydra.searchpath="):
+            items = arg.split("=", 1)[1].strip("[]").split(",")
+            roots += [p.strip().strip("'\"").removeprefix("file://") for p in items if p.strip()]
+    lines, seen = [], set()
+    for i, root in enumerate(dict.fromkeys(str(r) for r in roots)):
+        files = sorted(Path(root, "recipe").glob("*.yaml"))
+        if i and files:
+            lines.append(f"from {root}/recipe:")
+        for path in files:
+            header = [ln.lstrip("#").strip() for ln in path.read_text().splitlines() if ln.startswith("#")]
+            header = [h for h in header if h and not h.startswith("@package")]
+            about = header[0] if header else ""
+            run = next((h for h in header if h.startswith("s2s-run")), f"s2s-run recipe={path.stem}")
+            shadowed = " (shadowed by a recipe of that name listed above)" if path.stem in seen else ""
+            seen.add(path.stem)
+            lines += [f"  {path.stem:<18} {about}{shadowed}", f"  {'':<18} {run}"]
+    return "\n".join(lines) if lines else "no recipes found"
+
+
 def _is_plain(argv: list[str]) -> bool:
     return all(not a.startswith("-") for a in argv)
 
@@ -64,7 +88,9 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     """One job: plan, run every conversation, write the results into ``run_dir``."""
     from rich.console import Console
 
+    from s2s_flow import metrics
     from s2s_flow.scheduler import Scheduler
+    from s2s_flow.server import managed_server
 
     console = Console(stderr=True)
     graph = plan(cfg, choices)
@@ -72,15 +98,24 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact(cfg))))
     (run_dir / "choices.json").write_text(json.dumps(choices, indent=2))
     scheduler = Scheduler(graph, run_dir, console=console)
+    server = None
     try:
-        trace = scheduler.run()
+        # The recipe's model server (if any) must answer before the nodes' setup() warms up.
+        with managed_server(cfg.get("server"), run_dir, console=console) as server:
+            trace = scheduler.run()
     finally:
         (run_dir / "trace.json").write_text(json.dumps(
             {**scheduler.trace.to_dict(), "rings": scheduler.ring_stats}, indent=1))
     if not trace.turns():
         log.warning("no speech was found in the input: no turn was run")
         console.print("[yellow]no speech was found in the input: no turn was run[/yellow]")
-    return {"turns": len(trace.turns()), "run_dir": str(run_dir)}
+    report = metrics.report(trace, scheduler.ring_stats, graph)
+    metrics.write(report, run_dir, timeline=bool(OmegaConf.select(cfg, "metrics.timeline", default=False)))
+    metrics.show(report, console)
+    result: dict[str, Any] = {"turns": len(trace.turns()), "run_dir": str(run_dir), **metrics.figures(report)}
+    if server is not None:
+        result["server"] = server.info()  # url, started (False: an already running one was used)
+    return result
 
 
 def _hydra_entry() -> None:
@@ -109,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("S2S_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if "--list-recipes" in argv:
+        print(_list_recipes(argv))
+        return
     if _is_plain(argv):
         try:
             cfg, choices = compose(argv)
@@ -118,9 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.get("dry_run"):
             print(describe(graph))
             return
-    extra = search_path()
-    if extra:
-        argv.append(f"hydra.searchpath=[{','.join(extra)}]")
+    argv = with_search_path(argv)
     sys.argv = [sys.argv[0] if sys.argv else "s2s-run", *argv]
     try:
         _hydra_entry()

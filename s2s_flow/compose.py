@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from s2s_flow.errors import ConfigError
 
-__all__ = ["conf_dir", "compose", "config_error", "redact", "search_path"]
+__all__ = ["conf_dir", "compose", "config_error", "redact", "search_path", "with_search_path"]
 
 _SECRET = re.compile(r"(api_?key|token|secret|password)", re.I)
 
@@ -27,6 +27,17 @@ def _package_gguf(package: str) -> str:
 # `s2s-run recipe=local_cpu --cfg job --resolve` works too.
 if not OmegaConf.has_resolver("s2s.gguf"):
     OmegaConf.register_new_resolver("s2s.gguf", _package_gguf)
+
+
+def _corpus(key: str, *, _root_: Any) -> list[str]:
+    from s2s_flow.corpus import files  # lazy: synthesizes the corpus on first use only
+
+    return files(OmegaConf.select(_root_, key), key)
+
+
+# ${s2s.corpus:bench}: the benchmark corpus's WAV files (conf/bench/latency.yaml's io.input).
+if not OmegaConf.has_resolver("s2s.corpus"):
+    OmegaConf.register_new_resolver("s2s.corpus", _corpus)
 
 
 def conf_dir() -> Path:
@@ -44,6 +55,23 @@ def search_path() -> list[str]:
     in <root>/recipe/NAME.yaml and compose like the built-in ones."""
     roots = [p for p in os.environ.get("S2S_FLOW_CONFIG_PATH", "").split(os.pathsep) if p]
     return [f"file://{Path(p).expanduser().resolve()}" for p in roots]
+
+
+def with_search_path(args: list[str]) -> list[str]:
+    """``args`` with the S2S_FLOW_CONFIG_PATH roots added to hydra.searchpath: merged into one
+    the user gave (of two, Hydra silently keeps one), else put before the first override
+    (Hydra's argparse takes the overrides as one run: after ``--cfg job`` one is refused)."""
+    extra, args = search_path(), list(args)
+    if not extra:
+        return args
+    for i, arg in enumerate(args):
+        if arg.startswith("hydra.searchpath="):
+            given = [p.strip() for p in arg.split("=", 1)[1].strip().strip("[]").split(",") if p.strip()]
+            args[i] = f"hydra.searchpath=[{','.join([*given, *extra])}]"
+            return args
+    at = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
+    args.insert(at, f"hydra.searchpath=[{','.join(extra)}]")
+    return args
 
 
 def config_error(exc: BaseException, overrides: list[str] = ()) -> ConfigError:
@@ -99,9 +127,7 @@ def compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    extra = search_path()
-    if extra:
-        overrides = [*overrides, f"hydra.searchpath=[{','.join(extra)}]"]
+    overrides = with_search_path(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="s2s-run"):

@@ -265,7 +265,7 @@ def _model_ids(spec: ServerSpec, ready_body: bytes) -> list[str] | None:
     for item in data["data"]:
         if isinstance(item, dict):
             ids += [str(item.get("id", ""))] + [str(a) for a in item.get("aliases") or ()]
-    return [i for i in ids if i]
+    return list(dict.fromkeys(i for i in ids if i))
 
 
 def _same_model(expected: str, ids: list[str]) -> bool:
@@ -440,7 +440,7 @@ class _Starter:
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True, preexec_fn=_pdeathsig(),
             )
-        log.info("started %s (pid %d), log in %s", shlex.join(argv), proc.pid, log_path)
+        log.debug("started %s (pid %d), log in %s", shlex.join(argv), proc.pid, log_path)
         return proc, log_path
 
     def wait_ready(self, proc: subprocess.Popen | None, log_path: Path | None, what: str) -> float:
@@ -464,7 +464,7 @@ class _Starter:
                 if elapsed > spec.start_timeout_s:
                     where = f" Its log ({log_path}) ends with:\n{_tail(log_path)}" if log_path else ""
                     raise ServerError(
-                        f"{what} was not ready after {spec.start_timeout_s:.0f} s ({spec.ready_url}: "
+                        f"{what} was not ready after {spec.start_timeout_s:g} s ({spec.ready_url}: "
                         f"{probe.detail or probe.state}); raise server.start_timeout_s if it is still "
                         f"loading or downloading.{where}"
                     )
@@ -484,7 +484,11 @@ class _Starter:
                 f"by another process that does not answer {self.spec.ready_url} like the server. "
                 f"Stop it or move this server to a free port. Log ({log_path}):\n{tail}"
             )
-        raise ServerError(f"{what} exited with code {proc.returncode} while starting. "
+        hint = ""
+        if "HTTPS is not supported" in tail:
+            hint = (" This llama-server cannot download models (-hf): point S2S_LLAMA_SERVER at a "
+                    "llama.cpp release build, or download the GGUF and use -m.")
+        raise ServerError(f"{what} exited with code {proc.returncode} while starting.{hint} "
                           f"Its log ({log_path}) ends with:\n{tail}")
 
 
@@ -515,7 +519,9 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
                 what = f"{Path(argv[0]).name} on {spec.host}:{spec.port}"
                 proc, log_path = starter.start(argv)
                 ready_s = starter.wait_ready(proc, log_path, what)
-                models = _check_identity(spec, _probe(spec.ready_url))
+                models = _model_ids(spec, _probe(spec.ready_url).body) or []
+                if spec.model and models and not _same_model(spec.model, models):
+                    log.warning("the server started for %s lists the model as %s", spec.model, models[0])
                 handle = ServerHandle(spec.ready_url, True, argv, proc.pid, str(log_path),
                                       round(ready_s, 3), models)
                 _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
@@ -528,7 +534,7 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
             signals.mode = "hold"
             if proc is not None:
                 _stop(proc, spec.stop_timeout_s)
-                log.info("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
+                log.debug("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
 
 
 def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:
@@ -546,14 +552,16 @@ def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:
         starter.wait_ready(None, None, f"the server already running at {spec.host}:{spec.port}")
         probe = _probe(spec.ready_url)
     models = _check_identity(spec, probe)
-    _say(starter.console, f"using the server already running at {spec.ready_url} "
-                          f"({', '.join(models[:2]) or 'model not listed'}); not starting one")
+    names = ", ".join(Path(m).name for m in models[:2]) or "model not listed"
+    _say(starter.console, f"using the server already running at {spec.ready_url} ({names}); "
+                          "not starting one, not stopping it")
     return ServerHandle(spec.ready_url, False, models=models)
 
 
 def _say(console: Any, text: str) -> None:
-    log.info(text)
-    if console is not None:
+    if console is None:
+        log.info(text)
+    else:
         console.print(f"[dim]{_markup_safe(text)}[/dim]")
 
 

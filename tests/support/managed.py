@@ -1,0 +1,87 @@
+"""Helpers for tests of recipes and of the server s2s-run manages: the real CLI in a
+subprocess, and a look at /proc to prove that no server process outlived it.
+
+    proc = start_cli(["recipe=local_cpu", f"llm.base_url=http://127.0.0.1:{port}/v1"], run_dir)
+    assert not processes_with(f"--port\\0{port}")
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def processes_with(needle: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose NUL-separated argv contains ``needle``."""
+    try:
+        import psutil
+    except ImportError:  # Linux without psutil: read /proc
+        psutil = None
+    found = []
+    if psutil is not None:
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+            argv = proc.info["cmdline"] or []
+            if proc.info["pid"] != os.getpid() and proc.info["status"] != psutil.STATUS_ZOMBIE \
+                    and needle in "\0".join(argv) + "\0":
+                found.append((proc.info["pid"], " ".join(argv)))
+        return found
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle.encode() in raw:
+            found.append((int(entry.name), raw.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def wait_until(check: Callable[[], object], timeout: float, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(step)
+    return bool(check())
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start_cli(args: Sequence[str], run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``s2s-run ARGS hydra.run.dir=RUN_DIR`` in the background; output captured as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "s2s_flow.cli", *args, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent, env=env or cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, stdin=subprocess.DEVNULL,
+    )
+
+
+def run_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "s2s_flow.cli", *args], cwd=cwd, env=env or cli_env(),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def question_wav(path: Path, text: str = "How many kilometers are there in a marathon?",
+                 tail_s: float = 1.0) -> Path:
+    """A spoken question (Piper) followed by ``tail_s`` of silence, as a 16 kHz WAV."""
+    import soundfile as sf
+
+    from tests.support.speech import speech_with_pauses
+
+    pcm, _ = speech_with_pauses([text], 16000, tail_s=tail_s)
+    sf.write(path, pcm, 16000)
+    return path
