@@ -16,27 +16,44 @@ class ConfigError(S2SError):
 
 
 class MissingDependency(S2SError):
-    """A backend's library is not installed."""
+    """A backend's library is not installed.
+
+    ``command`` is the full install command where an extra cannot express it
+    (``pip install --no-deps silero-vad onnxruntime``); it wins over ``pip_name``.
+    """
 
     def __init__(self, module: str, extra: str, *, pip_name: str | None = None,
-                 cause: Exception | None = None):
+                 command: str | None = None, cause: Exception | None = None):
         self.module, self.extra = module, extra
-        what = f"'{pip_name}'" if pip_name else f"'s2s-flow[{extra}]'"
+        package = pip_name or f"s2s-flow[{extra}]"
+        self.command = command or f"pip install '{package}'"
+        why = f" ({cause})" if cause else ""
         super().__init__(
-            f"the {extra} backend needs the Python module '{module}', which is not installed "
-            f"({cause}). Install it with: pip install {what}"
+            f"the {extra} backend needs the Python module '{module}', which is not installed{why}. "
+            f"Install it with: {self.command}"
         )
 
 
 class ModelNotAvailable(S2SError):
-    """A model that needs a hub download was asked for on a machine that cannot reach the hub."""
+    """A model that needs a download was asked for on a machine that cannot reach its source.
 
-    def __init__(self, model: str, backend: str, hint: str = ""):
+    ``download`` is the command that fetches it, for a model that does not come from the hub
+    (a spaCy wheel, say); a hub model's is ``huggingface-cli download {model}``.
+    """
+
+    def __init__(self, model: str, backend: str, hint: str = "", *, download: str | None = None):
+        self.model, self.backend = model, backend
+        self.download = download or f"huggingface-cli download {model}"
+        if download is None:
+            need = "a download from the hub, which this machine cannot reach"
+            fix = (f"Download it once where the hub is reachable ({self.download}) "
+                   "and point the option at the local directory")
+        else:
+            need = "a download this machine cannot make"
+            fix = f"Fetch it once while the network is reachable ({download})"
         super().__init__(
-            f"model {model!r} is not available locally and needs a download from the hub, "
-            f"which this machine cannot reach ({backend}). Download it once where the hub is "
-            f"reachable (huggingface-cli download {model}) and point the option at the local "
-            f"directory{'; ' + hint if hint else ''}."
+            f"model {model!r} is not available locally and needs {need} ({backend}). "
+            f"{fix}{'; ' + hint if hint else ''}."
         )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nodes.tts._hub import hub_file, reachable
+from nodes._hub import hub_file, reachable
 from nodes.tts.kokoro import KokoroTTS
 from nodes.tts.qwen3 import Qwen3TTS
 from s2s_flow.errors import ConfigError, MissingDependency, ModelNotAvailable

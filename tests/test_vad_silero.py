@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nodes.vad.silero import SileroVAD
-from s2s_flow.errors import ConfigError
+from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
 from s2s_flow.node import Context
 from tests.support.speech import speech_with_pauses
@@ -144,3 +145,12 @@ def test_a_dropped_chunk_keeps_the_timeline(tmp_path):
         assert abs(speech.start - start) < 0.1
         assert abs(speech.end - end) < 0.1
 
+
+
+def test_a_missing_silero_wheel_gives_the_no_deps_install_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "silero_vad", None)  # how an environment without the wheel looks to find_spec
+    with pytest.raises(MissingDependency) as err:
+        make_vad(tmp_path)
+    assert err.value.command == "pip install --no-deps silero-vad onnxruntime"
+    assert str(err.value).endswith("Install it with: pip install --no-deps silero-vad onnxruntime")
+    assert "torch" in str(err.value) and "\n" not in str(err.value)

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import numpy as np
 
 from s2s_flow.audio import resample
 from s2s_flow.messages import Speech, Transcript
-from s2s_flow.node import Node, require
+from s2s_flow.node import Node
 
-__all__ = ["UtteranceSTT", "ensure_installed"]
-
-
-def ensure_installed(*modules: str, extra: str) -> None:
-    """Report a missing library before anything slow: find_spec of a top-level name imports nothing."""
-    for module in modules:
-        if importlib.util.find_spec(module) is None:
-            require(module, extra)  # raises MissingDependency with the install command
+__all__ = ["UtteranceSTT"]
 
 
 class UtteranceSTT(Node):

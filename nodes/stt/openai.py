@@ -80,7 +80,7 @@ class OpenAISTT(UtteranceSTT):
         self._client = None
 
     def setup(self) -> None:
-        httpx = require("httpx", "openai")
+        httpx = require("httpx", "remote")
         self._httpx = httpx
         self._key = self.api_key or os.environ.get("OPENAI_API_KEY", "")
         headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from nodes._hub import check_available, ensure_installed, hf_offline, hub_file, load_offline_first, local_dir
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
-from ._base import UtteranceSTT, ensure_installed
-from ._hub import check_available, hf_offline, load_offline_first, local_dir
+from ._base import UtteranceSTT
 
 __all__ = ["ParakeetSTT"]
 
@@ -136,13 +136,8 @@ class ParakeetSTT(UtteranceSTT):
                     "checkpoint (stt.backend=nemo), or use stt.backend=mlx for an MLX directory."
                 )
             return found[0]
-        from huggingface_hub import hf_hub_download
-
         filename = f"{self.model.rsplit('/', 1)[-1]}.nemo"
-        return Path(load_offline_first(
-            self.model, "stt=parakeet, nemo",
-            lambda local_only: hf_hub_download(self.model, filename, local_files_only=local_only),
-        ))
+        return hub_file(self.model, filename, backend="stt=parakeet, nemo")
 
     def transcribe(self, audio: np.ndarray) -> tuple[str, str | None]:
         return self._asr(audio).strip(), None  # v3 detects the language but does not report it

@@ -13,11 +13,11 @@ import re
 
 import numpy as np
 
+from nodes._hub import hf_offline, load_offline_first, local_dir
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
 from ._base import UtteranceSTT
-from ._hub import hf_offline, load_offline_first, local_dir
 
 __all__ = ["WhisperSTT", "bundled_tiny_en"]
 

@@ -9,11 +9,11 @@ import re
 
 import numpy as np
 
+from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
-from ._base import UtteranceSTT, ensure_installed
-from ._hub import check_available, hf_offline, load_offline_first, local_dir
+from ._base import UtteranceSTT
 from .whisper import WHISPER_RATE, check_language
 
 __all__ = ["WhisperHFSTT"]

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from nodes._hub import ensure_installed, hub_file, reachable
 from nodes.tts._base import SentenceTTS
-from nodes.tts._hub import check_installed, hub_file, reachable
-from s2s_flow.errors import ConfigError, MissingDependency
+from s2s_flow.errors import ConfigError, ModelNotAvailable
 from s2s_flow.node import require
 
 __all__ = ["KokoroTTS"]
@@ -20,7 +20,7 @@ _LANG_CODES = "abefhijpz"  # US/UK English, es, fr, hi, it, ja, pt-br, zh (kokor
 _WEIGHTS = {"hexgrad/Kokoro-82M": "kokoro-v1_0.pth", "hexgrad/Kokoro-82M-v1.1-zh": "kokoro-v1_1-zh.pth"}
 # misaki's English G2P loads this spaCy model and pip-installs it from GitHub when missing.
 _SPACY_MODEL = "en_core_web_sm"
-_SPACY_WHEEL = ("en_core_web_sm@https://github.com/explosion/spacy-models/releases/download/"
+_SPACY_WHEEL = ("https://github.com/explosion/spacy-models/releases/download/"
                 "en_core_web_sm-3.8.0/en_core_web_sm-3.8.0-py3-none-any.whl")
 
 
@@ -58,7 +58,7 @@ class KokoroTTS(SentenceTTS):
         return 24000
 
     def setup(self) -> None:
-        check_installed("kokoro", "huggingface_hub", extra="kokoro")
+        ensure_installed("kokoro", "huggingface_hub", extra="kokoro")
         config, weights, voices = self._files()  # first: a missing model is reported in a second
         if self.lang_code in "ab":
             self._check_spacy_model()
@@ -106,5 +106,8 @@ class KokoroTTS(SentenceTTS):
         """Fail now, with the install command, where misaki would try to pip-install from GitHub."""
         spacy = require("spacy", "kokoro")
         if not spacy.util.is_package(_SPACY_MODEL) and not reachable("https://github.com"):
-            raise MissingDependency(_SPACY_MODEL, "kokoro", pip_name=_SPACY_WHEEL,
-                                    cause=ImportError("Kokoro's English G2P (misaki) needs this spaCy model"))
+            raise ModelNotAvailable(
+                _SPACY_MODEL, "tts=kokoro: misaki's English G2P loads this spaCy model",
+                "or choose a non-English tts.lang_code (only a and b need it)",
+                download=f"pip install {_SPACY_WHEEL}",
+            )

@@ -162,7 +162,7 @@ class OpenAITTS(SentenceTTS):
         return self._rate
 
     def setup(self) -> None:
-        httpx = require("httpx", "openai")
+        httpx = require("httpx", "remote")
         timeout = httpx.Timeout(self.read_timeout, connect=self.connect_timeout)
         # Loopback servers must not be reached through a proxy from the environment.
         self._client = httpx.Client(timeout=timeout, trust_env=not _is_loopback(self.base_url))
@@ -185,7 +185,7 @@ class OpenAITTS(SentenceTTS):
                 sock.shutdown(socket.SHUT_RDWR)
 
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
-        httpx = require("httpx", "openai")
+        httpx = require("httpx", "remote")
         turn = self.speaking_turn
         self._wake.clear()
         response = self._open(sentence)
@@ -219,7 +219,7 @@ class OpenAITTS(SentenceTTS):
 
     def _open(self, sentence: str) -> Any:
         """POST the sentence; return the streaming 200 response, retrying transient failures."""
-        httpx = require("httpx", "openai")
+        httpx = require("httpx", "remote")
         payload: dict[str, Any] = {"model": self.model, "input": sentence, "voice": self.voice,
                                    "response_format": self.response_format}
         if self.instructions:

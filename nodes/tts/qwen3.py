@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from nodes._hub import ensure_installed, load_offline_first, local_dir
 from nodes.tts._base import SentenceTTS
-from nodes.tts._hub import check_installed, hub_reachable
-from s2s_flow.errors import ConfigError, ModelNotAvailable
+from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
 __all__ = ["Qwen3TTS"]
@@ -90,7 +90,7 @@ class Qwen3TTS(SentenceTTS):
     # -- loading ------------------------------------------------------------------------
 
     def _load_ggml(self) -> Any:
-        check_installed("faster_qwen3_tts", "qwentts_cpp", extra="qwen3-tts")
+        ensure_installed("faster_qwen3_tts", "qwentts_cpp", extra="qwen3-tts")
         qt = require("qwentts_cpp", "qwen3-tts")  # light (ctypes); faster_qwen3_tts imports torch
         talker, codec = self._gguf_files(qt)
         fq = require("faster_qwen3_tts", "qwen3-tts")
@@ -115,33 +115,27 @@ class Qwen3TTS(SentenceTTS):
                                   "(qwen-talker-*.gguf and qwen-tokenizer-12hz-*.gguf).")
             return talkers[0], codecs[0]
         try:
-            return qt.resolve_gguf_paths(self.model, quant=self.quant, local_files_only=True)
-        except OSError as exc:  # not in the hub cache (LocalEntryNotFoundError is a FileNotFoundError)
-            if not hub_reachable():
-                raise ModelNotAvailable(
-                    self.model, "tts=qwen3 ggml",
-                    f"its GGUF files live in the hub repo {qt.GGUF_REPO} (the option is tts.model)",
-                ) from exc
+            return load_offline_first(
+                self.model, "tts=qwen3 ggml",
+                lambda local_only: qt.resolve_gguf_paths(self.model, quant=self.quant, local_files_only=local_only),
+                hint=f"its GGUF files live in the hub repo {qt.GGUF_REPO} (the option is tts.model)",
+                progress=self.ctx.progress,
+            )
         except ValueError as exc:  # a model id the GGML runtime has no weights for
             raise ConfigError(f"tts.model={self.model!r}: {exc}") from exc
-        self.ctx.progress(f"downloading Qwen3-TTS GGUF files from {qt.GGUF_REPO}")
-        return qt.resolve_gguf_paths(self.model, quant=self.quant)
 
     def _load_mlx(self) -> Any:
-        check_installed("mlx_audio", "huggingface_hub", extra="qwen3-tts")
-        path = Path(self.model)
-        if not path.is_dir():
+        ensure_installed("mlx_audio", "huggingface_hub", extra="qwen3-tts")
+        path = local_dir(self.model)
+        if path is None:
             repo = self.model
             if repo.startswith("Qwen/"):  # the MLX conversions live under mlx-community
                 repo = f"mlx-community/{repo.split('/', 1)[1]}-bf16"
             hub = require("huggingface_hub", "qwen3-tts")
-            try:
-                path = Path(hub.snapshot_download(repo, local_files_only=True))
-            except Exception as exc:
-                if not hub_reachable():
-                    raise ModelNotAvailable(repo, "tts=qwen3 mlx", "the option is tts.model") from exc
-                self.ctx.progress(f"downloading {repo}")
-                path = Path(hub.snapshot_download(repo))
+            path = Path(load_offline_first(
+                repo, "tts=qwen3 mlx", lambda local_only: hub.snapshot_download(repo, local_files_only=local_only),
+                hint="the option is tts.model", progress=self.ctx.progress,
+            ))
         self.ctx.progress(f"loading Qwen3-TTS from {path} on MLX")
         mlx_tts = require("mlx_audio.tts.utils", "qwen3-tts")
         engine = mlx_tts.load_model(path)

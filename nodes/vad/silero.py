@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from s2s_flow.audio import to_float32, to_mono
-from s2s_flow.errors import ConfigError, MissingDependency, S2SError
+from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
 from s2s_flow.node import Node, require
 
@@ -26,27 +26,17 @@ _MAX_ZERO_FILL_S = 1.0  # a gap in the input longer than this restarts the timel
 _IDLE, _CANDIDATE, _SPEECH = "idle", "candidate", "speech"
 
 
-class _MissingSileroModel(MissingDependency):
-    """The silero-vad wheel is absent; it must be installed without its torch dependency."""
-
-    def __init__(self) -> None:
-        self.module, self.extra = "silero_vad", "silero"
-        S2SError.__init__(
-            self,
-            "vad=silero needs the model file silero_vad.onnx from the silero-vad wheel, which is "
-            "not installed. Install it without its torch dependency: "
-            "pip install --no-deps silero-vad onnxruntime",
-        )
+# silero-vad asks for torch, which vad=silero never imports: its wheel goes in without it.
+_INSTALL = "pip install --no-deps silero-vad onnxruntime"
 
 
 def silero_model_path() -> Path:
     """Path of ``silero_vad.onnx`` inside the installed wheel, found without importing it."""
     spec = importlib.util.find_spec("silero_vad")
-    if spec is None or spec.origin is None:
-        raise _MissingSileroModel()
-    path = Path(spec.origin).parent / "data" / "silero_vad.onnx"
-    if not path.is_file():
-        raise _MissingSileroModel()
+    path = Path(spec.origin).parent / "data" / "silero_vad.onnx" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise MissingDependency("silero_vad", "vad", command=_INSTALL, cause=ImportError(
+            "vad=silero reads silero_vad.onnx from the silero-vad wheel; --no-deps keeps out the torch it asks for"))
     return path
 
 
@@ -113,7 +103,7 @@ class SileroVAD(Node):
         return self.sample_rate
 
     def setup(self) -> None:
-        ort = require("onnxruntime", "silero")
+        ort = require("onnxruntime", "vad")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1  # a 32 ms window is far too small to share out
         opts.inter_op_num_threads = 1
