@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("S2S_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # one INFO line per request drowns the turn log
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     if "--list-recipes" in argv:
         print(_list_recipes(argv))
         return

@@ -1,0 +1,111 @@
+"""``llm=mlx``: a local model through mlx-lm, streamed (Apple Silicon; ``mlx[cpu]`` on Linux).
+
+``mlx_lm.stream_generate`` runs on the node's own thread, one token per step, so a barge-in
+flag is read between tokens and closing the reply closes the generation: no helper thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator, Mapping
+from pathlib import Path
+from typing import Any
+
+from nodes._hub import check_available, ensure_installed, load_offline_first, local_dir
+from nodes.llm._local import LocalLLM
+from s2s_flow.errors import ConfigError
+from s2s_flow.node import require
+
+__all__ = ["MLXLLM"]
+
+
+class MLXLLM(LocalLLM):
+    """``mlx_lm.stream_generate`` with a sampler from ``make_sampler`` (temperature 0: greedy)."""
+
+    backend = "llm=mlx"
+
+    def __init__(
+        self,
+        *,
+        model: str = "mlx-community/Qwen3-4B-Instruct-2507-bf16",
+        system_prompt: str | None = LocalLLM.DEFAULT_SYSTEM_PROMPT,
+        max_history_turns: int = 8,
+        max_tokens: int = 256,
+        temperature: float = 0.7,
+        top_p: float = 0.8,
+        seed: int | None = None,
+        enable_thinking: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            model=model, system_prompt=system_prompt, max_history_turns=max_history_turns,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
+        )
+        self._model: Any = None
+
+    def setup(self) -> None:
+        ensure_installed("mlx", "mlx_lm", extra="mlx")
+        check_available(self.model, self.backend)  # before the multi-second mlx_lm import
+        self._mx = require("mlx.core", "mlx")
+        self._mlx_lm = mlx_lm = require("mlx_lm", "mlx")
+        sample_utils = require("mlx_lm.sample_utils", "mlx")
+        path = self._model_dir()
+        self.ctx.progress(f"loading {self.model} on {self._mx.default_device()}")
+        self._model, self._tokenizer = mlx_lm.load(str(path))
+        # top_p=0 is mlx-lm's "off"; 1.0 keeps every token anyway
+        self._sampler = sample_utils.make_sampler(temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0)
+        self.check_chat_template()
+        self.warm_up()
+
+    def _model_dir(self) -> Path:
+        """The model's local directory: as given, from the hub cache, or downloaded when the hub answers."""
+        path = local_dir(self.model)
+        if path is not None:
+            return path
+        hub = require("huggingface_hub", "mlx")
+        patterns = require("mlx_lm.utils", "mlx").DEFAULT_ALLOW_PATTERNS
+
+        def snapshot(local_only: bool) -> Path:
+            return Path(hub.snapshot_download(self.model, local_files_only=local_only, allow_patterns=patterns))
+
+        return load_offline_first(self.model, self.backend, snapshot)
+
+    def check_chat_template(self) -> None:
+        if not getattr(self._tokenizer, "has_chat_template", self._tokenizer.chat_template):
+            raise ConfigError(
+                f"llm.model={self.model!r} has no chat template (a base model?): choose an instruct "
+                f"or chat model, e.g. the default of {self.backend}"
+            )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        # mlx-lm's tokenizer wrapper renames the switch for templates that spell it otherwise,
+        # and would turn thinking on for every model that has <think> tokens if not told.
+        return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+
+    def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
+        if self.seed is not None:
+            self._mx.random.seed(self.seed)
+        steps = self._mlx_lm.stream_generate(
+            self._model, self._tokenizer, prompt_ids, max_tokens=self.max_tokens, sampler=self._sampler
+        )
+        count, finish = 0, "eos"
+        try:
+            for step in steps:
+                count, finish = step.generation_tokens, step.finish_reason or finish
+                if stop.is_set() or self.ctx.stopping.is_set():
+                    finish = "interrupted"
+                    break
+                if step.text:
+                    yield step.text
+        except GeneratorExit:  # the reply was closed (barge-in)
+            finish = "interrupted"
+            raise
+        finally:
+            steps.close()
+            self.last_reply_tokens = count
+            self.last_stop = {"stop": "eos"}.get(finish, finish)
+
+    def close(self) -> None:
+        super().close()
+        self._model = None

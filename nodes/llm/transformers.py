@@ -1,0 +1,157 @@
+"""``llm=transformers``: a local Hugging Face causal LM (cuda > mps > cpu), streamed.
+
+Generation runs on a helper thread and streams text through ``TextIteratorStreamer``, so the
+first sentence reaches TTS while the rest is still being generated. Barge-in sets a flag that
+a ``StoppingCriteria`` reads after every token; closing the reply joins the thread.
+The options, history, chat template and interrupts shared with ``llm=mlx`` live in
+``nodes/llm/_local.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Generator, Mapping
+from typing import Any
+
+from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
+from nodes.llm._local import DTYPES, LocalLLM
+from s2s_flow.errors import ConfigError
+from s2s_flow.node import require
+
+__all__ = ["TransformersLLM"]
+
+
+class TransformersLLM(LocalLLM):
+    """``AutoModelForCausalLM.generate`` on a helper thread, streamed token by token."""
+
+    backend = "llm=transformers"
+
+    def __init__(
+        self,
+        *,
+        model: str = "Qwen/Qwen3-4B-Instruct-2507",
+        device: str = "auto",
+        dtype: str = "auto",
+        system_prompt: str | None = LocalLLM.DEFAULT_SYSTEM_PROMPT,
+        max_history_turns: int = 8,
+        max_tokens: int = 256,
+        temperature: float = 0.7,
+        top_p: float = 0.8,
+        seed: int | None = None,
+        enable_thinking: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            model=model, system_prompt=system_prompt, max_history_turns=max_history_turns,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
+        )
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
+            raise ConfigError(f"llm.device={device!r} is unknown: use auto (cuda > mps > cpu), cpu, cuda, "
+                              "cuda:N or mps")
+        if dtype not in DTYPES:
+            raise ConfigError(f"llm.dtype={dtype!r} is unknown: use one of {', '.join(DTYPES)} "
+                              "(auto: the checkpoint's dtype on a GPU, float32 on CPU)")
+        self.device, self.dtype = device, dtype
+        self._model: Any = None
+        self._thread: threading.Thread | None = None
+
+    def setup(self) -> None:
+        ensure_installed("torch", "transformers", extra="transformers")
+        check_available(self.model, self.backend)  # before the multi-second torch import
+        self._torch = torch = require("torch", "transformers")
+        self._tf = tf = require("transformers", "transformers")
+        self._device = self._pick_device(torch)
+        on_cpu = self._device == "cpu"
+        dtype = getattr(torch, self.dtype) if self.dtype != "auto" else torch.float32 if on_cpu else "auto"
+        shown = "checkpoint dtype" if dtype == "auto" else str(dtype).removeprefix("torch.")
+        self.ctx.progress(f"loading {self.model} on {self._device} ({shown})")
+
+        def load(local_only: bool) -> tuple[Any, Any]:
+            tokenizer = tf.AutoTokenizer.from_pretrained(self.model, local_files_only=local_only)
+            model = tf.AutoModelForCausalLM.from_pretrained(self.model, dtype=dtype, local_files_only=local_only)
+            return tokenizer, model
+
+        if local_dir(self.model) is not None:
+            with hf_offline():
+                self._tokenizer, model = load(True)
+        else:
+            self._tokenizer, model = load_offline_first(self.model, self.backend, load)
+        self._model = model.to(self._device).eval()
+        self.check_chat_template()
+        self.warm_up()
+
+    def _pick_device(self, torch: Any) -> str:
+        if self.device != "auto":
+            if self.device.startswith("cuda") and not torch.cuda.is_available():
+                raise ConfigError(f"llm.device={self.device} but torch sees no CUDA GPU: use llm.device=auto or cpu")
+            return self.device
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+
+    def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
+        torch, tf = self._torch, self._tf
+        streamer = tf.TextIteratorStreamer(self._tokenizer, skip_prompt=True, skip_special_tokens=True)
+        count, halted, stopping = [0], [False], self.ctx.stopping
+
+        class Halt(tf.StoppingCriteria):
+            """Read after every new token: stops generation on barge-in or shutdown."""
+
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                count[0] += 1
+                halted[0] = stop.is_set() or stopping.is_set()
+                return torch.full((input_ids.shape[0],), halted[0], dtype=torch.bool, device=input_ids.device)
+
+        input_ids = torch.tensor([prompt_ids], device=self._device)
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "max_new_tokens": self.max_tokens,
+            "streamer": streamer,
+            "stopping_criteria": tf.StoppingCriteriaList([Halt()]),
+            "pad_token_id": next(
+                (t for t in (self._tokenizer.pad_token_id, self._tokenizer.eos_token_id) if t is not None), None
+            ),
+        }
+        if self.temperature > 0:
+            kwargs |= {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+        else:  # greedy; None silences the checkpoint's sampling defaults
+            kwargs |= {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with torch.inference_mode():
+                    self._model.generate(**kwargs)
+            except BaseException as exc:  # re-raised on the node thread below
+                failed.append(exc)
+                streamer.end()  # wake the reader
+
+        thread = self._thread = threading.Thread(target=run, name=f"{self.ctx.name}-generate", daemon=True)
+        thread.start()
+        try:
+            for text in streamer:
+                if stop.is_set():
+                    break  # interrupted: what is still queued is stale
+                if text:
+                    yield text
+        finally:
+            stop.set()  # a closed reply (barge-in) stops the thread at its next token
+            thread.join()
+            self._thread = None
+            self.last_reply_tokens = count[0]
+            self.last_stop = "interrupted" if halted[0] else "length" if count[0] >= self.max_tokens else "eos"
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        super().close()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
+        self._model = None

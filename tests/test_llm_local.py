@@ -1,0 +1,294 @@
+"""llm=transformers and llm=mlx on the tiny random Llama, checked against llama.cpp.
+
+The reference reply comes from our own ``llm=chat`` node talking to a real llama-server
+that serves the same weights as a GGUF, so one greedy reply is compared across three
+runtimes and two code paths (local chat template vs. the server's).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nodes.llm._local import LocalLLM, _without_thinking
+from nodes.llm.chat import ChatCompletionsLLM
+from nodes.llm.mlx import MLXLLM
+from nodes.llm.transformers import TransformersLLM
+from s2s_flow.errors import MissingDependency, ModelNotAvailable
+from s2s_flow.messages import TextDelta, Transcript
+from s2s_flow.node import Context
+from tests.support.remote_llm import llm_node, text_of, turn
+from tests.support.tiny_llama import TinyLlama
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = "You are a helpful voice assistant."
+USER = "Hello! How are you today?"
+N_TOKENS = 24  # the tiny model never emits eos: every reply is exactly this long
+LONG = 400  # a reply much longer than any interrupt test waits for (context is 512)
+GREEDY = {"temperature": 0.0, "system_prompt": SYSTEM}
+LIBRARY = {TransformersLLM: "transformers", MLXLLM: "mlx_lm"}
+BOTH = pytest.mark.parametrize("cls", [TransformersLLM, MLXLLM], ids=["transformers", "mlx"])
+QWEN3_STYLE_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def local_node(cls: type[LocalLLM], model: Path | str, tmp_path: Path, **options) -> LocalLLM:
+    """A local LLM node with a context, loaded and warmed up (skipped if its library is missing)."""
+    pytest.importorskip(LIBRARY[cls])
+    node = cls(model=str(model), **options)
+    node.ctx = Context("llm", tmp_path)
+    t0 = time.monotonic()
+    node.setup()
+    print(f"{cls.__name__} setup (load + warm-up): {time.monotonic() - t0:.2f} s")
+    return node
+
+
+def generation_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.endswith("-generate") and t.is_alive()]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_reply(tiny_llama_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The greedy reply of llama.cpp (llama-server + the GGUF), asked through llm=chat."""
+    node = llm_node(ChatCompletionsLLM, tiny_llama_server + "/v1", tmp_path_factory.mktemp("chat"),
+                    max_tokens=N_TOKENS, **GREEDY)
+    reply = text_of(turn(node, USER))
+    node.close()
+    return reply
+
+
+# -- same greedy text as llama.cpp ----------------------------------------------------------
+
+
+@BOTH
+def test_greedy_reply_is_the_same_text_as_llama_cpp_through_the_chat_node(
+    cls, tiny_llama: TinyLlama, llama_cpp_reply: str, tmp_path
+):
+    node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    t0 = time.monotonic()
+    reply = text_of(turn(node, USER))
+    print(f"{cls.__name__}: {N_TOKENS} tokens in {time.monotonic() - t0:.3f} s")
+    assert node.last_reply_tokens == N_TOKENS and node.last_stop == "length"
+    assert len(llama_cpp_reply) > N_TOKENS // 2
+    if cls is MLXLLM:
+        # mlx-lm's streaming BPE detokenizer drops the space that opens a reply's first
+        # token, by design (trim_space); every other character is the same.
+        assert llama_cpp_reply.startswith(" ")
+        assert reply == llama_cpp_reply[1:]
+    else:
+        assert reply == llama_cpp_reply
+
+
+def test_second_turn_with_history_is_the_same_text_as_llama_cpp(
+    tiny_llama: TinyLlama, tiny_llama_server: str, tmp_path
+):
+    """The bounded history (user, assistant, user) renders the same in both chat templates."""
+    chat = llm_node(ChatCompletionsLLM, tiny_llama_server + "/v1", tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    local = local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    for n, user in enumerate([USER, "Tell me a short story, please."], start=1):
+        assert text_of(turn(local, user, n)) == text_of(turn(chat, user, n))
+    assert [e.reply for e in local.conversation.exchanges] == [e.reply for e in chat.conversation.exchanges]
+    chat.close()
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+@BOTH
+def test_a_reply_streams_as_several_deltas_and_one_end_marker(cls, tiny_llama: TinyLlama, tmp_path):
+    node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    deltas = turn(node, USER, 7)
+    assert all(isinstance(d, TextDelta) and d.turn == 7 for d in deltas)
+    assert len([d for d in deltas if d.text]) >= 5
+    assert sum(d.end for d in deltas) == 1 and deltas[-1].end and deltas[-1].text == ""
+    assert deltas[-1].sentence_end  # the end marker closes the last sentence for TTS
+    assert node.conversation.exchanges[-1].reply == text_of(deltas)
+    node.reset()
+    assert node.conversation.exchanges == []
+
+
+def test_the_first_text_arrives_while_transformers_is_still_generating(tiny_llama: TinyLlama, tmp_path):
+    node = local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, max_tokens=LONG, **GREEDY)
+    gen = node.process("text", Transcript(turn=1, text=USER))
+    first = next(gen)
+    assert first.text and not first.end
+    assert generation_threads(), "the first delta came only after generation ended"
+    gen.close()
+
+
+def test_empty_and_partial_transcripts_get_no_reply(tiny_llama: TinyLlama, tmp_path):
+    node = local_node(MLXLLM, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    assert list(node.process("text", Transcript(turn=1, text="  "))) == []
+    assert list(node.process("text", Transcript(turn=1, text="Hello", final=False))) == []
+    assert node.conversation.exchanges == []
+
+
+# -- interrupts ------------------------------------------------------------------------------
+
+
+@BOTH
+def test_closing_the_reply_stops_generation_at_once_and_leaves_no_thread(cls, tiny_llama: TinyLlama, tmp_path):
+    node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=LONG, **GREEDY)
+    gen = node.process("text", Transcript(turn=1, text=USER))
+    got = [next(gen) for _ in range(3)]
+    t0 = time.monotonic()
+    gen.close()  # the engine closes a stale turn's generator at its next yield
+    stopped_in = time.monotonic() - t0
+    print(f"{cls.__name__}: generation stopped {stopped_in * 1000:.1f} ms after close, "
+          f"{node.last_reply_tokens} of {LONG} tokens generated")
+    assert generation_threads() == []
+    assert node.last_stop == "interrupted" and node.last_reply_tokens < LONG // 4
+    assert stopped_in < 1.0
+    assert node.conversation.exchanges[-1].reply == text_of(got)
+
+
+@BOTH
+def test_on_interrupt_from_another_thread_ends_the_reply(cls, tiny_llama: TinyLlama, tmp_path):
+    node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=LONG, **GREEDY)
+    gen = node.process("text", Transcript(turn=1, text=USER))
+    first = next(gen)
+    barge_in = threading.Thread(target=node.on_interrupt, args=(2,))
+    t0 = time.monotonic()
+    barge_in.start()
+    barge_in.join()
+    rest = list(gen)  # ends by itself
+    ended_in = time.monotonic() - t0
+    print(f"{cls.__name__}: reply ended {ended_in * 1000:.1f} ms after on_interrupt, "
+          f"{node.last_reply_tokens} of {LONG} tokens generated")
+    assert rest and rest[-1].end and sum(d.end for d in rest) == 1
+    assert node.last_stop == "interrupted" and node.last_reply_tokens < LONG // 4
+    assert generation_threads() == []
+    assert ended_in < 1.0
+    assert node.conversation.exchanges[-1].reply == text_of([first, *rest])
+
+
+@BOTH
+def test_a_turn_interrupted_before_it_starts_is_not_generated(cls, tiny_llama: TinyLlama, tmp_path):
+    node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    node.on_interrupt(5)
+    deltas = turn(node, USER, 4)
+    assert [(d.text, d.end) for d in deltas] == [("", True)]
+
+
+# -- chat template ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_style_model(tiny_llama: TinyLlama, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template that reads ``enable_thinking``, as Qwen3's does."""
+    path = tmp_path_factory.mktemp("qwen3-style") / "hf"
+    shutil.copytree(tiny_llama.hf_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN3_STYLE_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@BOTH
+@pytest.mark.parametrize("thinking", [False, True], ids=["default", "thinking"])
+def test_thinking_is_off_by_default_for_templates_that_read_the_switch(cls, thinking, qwen3_style_model, tmp_path):
+    options = {"enable_thinking": True} if thinking else {}
+    node = local_node(cls, qwen3_style_model, tmp_path, max_tokens=4, **GREEDY, **options)
+    node.conversation.add_user(USER, 1)
+    prompt = node._tokenizer.decode(node.chat_prompt(node.conversation.messages()))
+    assert prompt.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{USER}<|im_end|>\n")
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == (not thinking)
+
+
+@pytest.mark.parametrize(
+    "pieces, opened, spoken",
+    [
+        (["Hello", " there."], False, "Hello there."),
+        (["<thi", "nk>\nLet me think.", "</th", "ink>\n\nHi", " there."], False, "Hi there."),
+        (["  <think>x</think>Hi."], False, "Hi."),
+        (["Let me think.", "</think>", "Hi."], True, "Hi."),
+        (["<think>thoughts that never end"], False, ""),
+        (["<", "b>bold</b>"], False, "<b>bold</b>"),
+    ],
+)
+def test_a_think_section_is_never_spoken(pieces, opened, spoken):
+    assert "".join(_without_thinking(iter(pieces), opened=opened)) == spoken
+
+
+def test_text_after_the_think_section_streams_piece_by_piece():
+    out = list(_without_thinking(iter(["<think>a</think>", "One.", " Two.", " Three."]), opened=False))
+    assert out == ["One.", " Two.", " Three."]
+
+
+# -- failures that must be answers -----------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize("offline_env", [True, False], ids=["HF_HUB_OFFLINE=1", "no-network"])
+def test_a_hub_model_offline_fails_within_5s_with_model_not_available(cls, offline_env, monkeypatch, tmp_path):
+    pytest.importorskip(LIBRARY[cls])
+    from nodes._hub import hub_reachable
+
+    if offline_env:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    elif hub_reachable():
+        pytest.skip("the model hub is reachable from this machine")
+    model = "s2s-flow-tests/no-such-model"  # never in any cache
+    node = cls(model=model)
+    node.ctx = Context("llm", tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(ModelNotAvailable) as err:
+        node.setup()
+    elapsed = time.monotonic() - t0
+    print(f"{cls.__name__}: ModelNotAvailable after {elapsed:.2f} s")
+    assert elapsed < 5
+    assert model in str(err.value) and cls.backend in str(err.value)
+
+
+@pytest.mark.parametrize("cls, module, extra", [
+    (TransformersLLM, "torch", "transformers"),
+    (TransformersLLM, "transformers", "transformers"),
+    (MLXLLM, "mlx_lm", "mlx"),
+])
+def test_a_missing_library_names_the_extra_to_install(cls, module, extra, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, module, None)  # what an environment without it looks like to import
+    node = cls(model="s2s-flow-tests/no-such-model")
+    node.ctx = Context("llm", tmp_path)
+    with pytest.raises(MissingDependency) as err:
+        node.setup()
+    assert f"pip install 's2s-flow[{extra}]'" in str(err.value) and module in str(err.value)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option, cls", [("transformers", TransformersLLM), ("mlx", MLXLLM)])
+def test_the_config_composes_and_validates_without_loading_a_model_library(option, cls):
+    code = (f"import sys; sys.argv=['s2s-run','llm={option}','dry_run=true']; from s2s_flow.cli import main; "
+            "main(); heavy=[m for m in ('torch','transformers','mlx','mlx_lm') if m in sys.modules]; "
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{cls.__module__}.{cls.__name__}" in out.stdout and "stt.text -> llm.text" in out.stdout
+    assert "llm.text -> tts.text" in out.stdout and "HEAVY []" in out.stdout
+
+
+@pytest.mark.parametrize("override, named", [
+    ("llm.dtype=float8", "llm.dtype"),
+    ("llm.device=gpu", "llm.device"),
+    ("llm.temperature=-1", "llm.temperature"),
+    ("llm.max_new_tokens=64", "llm.max_tokens"),  # did-you-mean: one spelling for every llm
+])
+def test_bad_options_are_one_paragraph_naming_the_option(override, named):
+    out = subprocess.run([sys.executable, "-m", "s2s_flow.cli", "llm=transformers", override, "dry_run=true"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert named in out.stderr and "Traceback" not in out.stderr
