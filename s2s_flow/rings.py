@@ -80,26 +80,32 @@ class Inbox:
             self.control.append(item)
             self.wake()
 
-    def wait(self, timeout: float | None = None) -> tuple[list[Any], list[tuple[Ring, float, Any]], bool]:
+    def wait(self, timeout: float | None = None) -> tuple[list[Any], list[tuple[Ring, list[tuple[float, Any]]]], bool]:
         """Block until there is control or data; return (control, data, all_inputs_done).
 
-        ``data`` is every item available, as (ring, put_time, message), ring by ring in
-        FIFO order. ``all_inputs_done`` is true once every input ring is closed and empty.
+        ``data`` is every item available, ring by ring: [(ring, [(put_time, message), ...])],
+        each in FIFO order. ``all_inputs_done`` is true once every input ring is closed and empty.
         """
+        rings = self.rings
         with self.lock:
-            while not self.control and not any(r._items for r in self.rings) and not self._done():
+            while not self.control and not any(r._items for r in rings):
+                if all(r._closed for r in rings):
+                    return [], [], True
                 if not self.sleep(timeout):
                     break
-            control = list(self.control)
-            self.control.clear()
-            data: list[tuple[Ring, float, Any]] = []
-            for ring in self.rings:
-                if ring._items:
-                    data.extend((ring, t, m) for t, m in ring._items)
-                    ring._items.clear()
+            control: list[Any] = []
+            if self.control:
+                control = list(self.control)
+                self.control.clear()
+            data = []
+            for ring in rings:
+                items = ring._items
+                if items:
+                    data.append((ring, list(items)))
+                    items.clear()
                     if ring._blocked_waiters:
                         ring._not_full.notify_all()
-            return control, data, self._done() and not data
+            return control, data, False
 
     def _done(self) -> bool:
         return all(r._closed and not r._items for r in self.rings)

@@ -261,37 +261,39 @@ class Scheduler:
         ``BATCH_BUDGET_S``); outputs it *yields* stream out one by one as they come, so a
         streaming stage (LLM tokens, TTS sentences) is never held back.
         """
-        node, table, received = run.node, run.table, self.trace.received
+        node, table, received, process = run.node, run.table, self.trace.received, run.node.process
         pending: list[Message] = []
         try:
             while True:
                 control, data, done = run.inbox.wait()
                 if _STOP in control or self._stopped:
                     return
-                now = started = _now()  # one clock read per batch: the batch arrived at once
-                for ring, t_put, msg in data:
-                    if 0 < msg.turn < self._epoch:
-                        continue  # stale: an interrupt moved past its turn
-                    received(table, msg, now, now - t_put)
-                    out = node.process(ring.dst_port, msg)
-                    if out is None:
-                        pass
-                    elif type(out) is GeneratorType:
-                        self._forward(run, pending)
-                        self._emit(run, out)
-                    elif isinstance(out, Message):
-                        pending.append(out)
-                    else:
-                        pending.extend(out)
-                    if pending and _now() - started > BATCH_BUDGET_S:
-                        self._forward(run, pending)
-                        started = _now()
-                    if self._stopped:
-                        return
-                self._forward(run, pending)
                 if done:
                     self._emit(run, node.finish())
                     return
+                now = started = _now()  # one clock read per batch: the batch arrived at once
+                for ring, items in data:
+                    port = ring.dst_port
+                    for t_put, msg in items:
+                        if 0 < msg.turn < self._epoch:
+                            continue  # stale: an interrupt moved past its turn
+                        received(table, msg, now, now - t_put)
+                        out = process(port, msg)
+                        if out is None:
+                            pass
+                        elif type(out) is GeneratorType:
+                            self._forward(run, pending)
+                            self._emit(run, out)
+                        elif isinstance(out, Message):
+                            pending.append(out)
+                        else:
+                            pending.extend(out)
+                        if pending and _now() - started > BATCH_BUDGET_S:
+                            self._forward(run, pending)
+                            started = _now()
+                        if self._stopped:
+                            return
+                self._forward(run, pending)
         except RingClosed:
             if not self._stopped:
                 raise
@@ -303,6 +305,10 @@ class Scheduler:
     def _forward(self, run: _Running, pending: list[Message]) -> None:
         """Send collected outputs, grouped per output port, then clear the list."""
         if not pending:
+            return
+        if len(pending) == 1:  # the common live case: one message, no grouping needed
+            self._emit(run, pending)
+            pending.clear()
             return
         by_port: dict[str, list[Message]] = {}
         table, emitted, ports, epoch = run.table, self.trace.emitted, run._ports, self._epoch
