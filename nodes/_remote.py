@@ -1,0 +1,634 @@
+"""One HTTP client for OpenAI-compatible servers (llama-server, vLLM, mlx_lm.server, OpenAI).
+
+What every remote backend needs and should not write twice: the API key rule (loopback
+servers need none; it never reaches a log or a message), one keep-alive connection pool
+warmed up in ``setup()``, bounded retries before the first byte, an SSE reader that fails
+loudly on garbage, errors that say what to type, and an abort that closes a live stream
+from another thread at once. Plus :class:`RemoteLLM`, the node both LLM APIs build on.
+
+httpx is imported in :meth:`RemoteClient.open`, so composing a config costs nothing.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import ipaddress
+import json
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from types import MappingProxyType
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+from nodes.llm._conversation import Conversation, Exchange, reply_deltas
+from s2s_flow.errors import ConfigError, S2SError
+from s2s_flow.messages import Message, TextDelta
+from s2s_flow.node import Node, require
+
+__all__ = ["RemoteError", "StreamBroken", "RemoteClient", "RemoteLLM", "DEFAULT_BASE_URL"]
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
+API_KEY_ENV = "OPENAI_API_KEY"
+BACKOFF_BASE_S = 0.25
+BACKOFF_CAP_S = 4.0
+RETRY_AFTER_CAP_S = 30.0  # a server asking for longer is answered with an error, not a frozen agent
+SHOWN_CHARS = 300  # how much of a server's error body or a bad line an error message quotes
+EMPTY: Mapping[str, Any] = MappingProxyType({})
+WARMUP_OK = (404, 405, 503)  # a server without /models is fine; 503: still loading its model
+
+
+class RemoteError(S2SError):
+    """A remote server could not serve the request; the text says what to change."""
+
+    def __init__(self, text: str, *, status: int | None = None, detail: str = "") -> None:
+        super().__init__(text)
+        self.status, self.detail = status, detail
+
+
+class StreamBroken(RemoteError):
+    """The answer stream stopped in the middle: connection lost, silence, or garbage."""
+
+
+class Aborted(RemoteError):
+    """The request was cancelled by :meth:`RemoteClient.abort` (barge-in)."""
+
+
+class _Secret:
+    """Holds the API key; its repr and str never show it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __repr__(self) -> str:
+        return "'***'" if self._value else "''"
+
+    __str__ = __repr__
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost: servers on this machine, which need no API key."""
+    if host.lower() in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _shorten(text: str, limit: int = SHOWN_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _server_detail(body: bytes) -> str:
+    """The human part of an error body: OpenAI's ``error.message``, vLLM's ``message``..."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return _shorten(body.decode("utf-8", "replace"))
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            for key in ("message", "detail", "msg"):
+                if isinstance(err.get(key), str):
+                    return _shorten(err[key])
+        elif isinstance(err, str):
+            return _shorten(err)
+    return _shorten(json.dumps(data))
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class RemoteClient:
+    """Keep-alive HTTP client for one server; one request at a time (one node thread).
+
+    ``__init__`` only checks the configuration; :meth:`open` creates the pool and warms
+    it up, so a down server or a bad key is reported at setup, not at the first turn.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        base_url: str,
+        api_key: str | None,
+        connect_timeout: float,
+        read_timeout: float,
+        max_retries: int,
+        log: Any = None,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"{group}.base_url={base_url!r} is not an http(s) URL; give the server's API root, "
+                f"e.g. {group}.base_url={DEFAULT_BASE_URL}"
+            )
+        if parts.username or parts.password:
+            raise ConfigError(
+                f"{group}.base_url must not carry credentials; put the key in {group}.api_key "
+                f"or {API_KEY_ENV}"
+            )
+        key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        if not key and not is_loopback(parts.hostname):
+            raise ConfigError(
+                f"{group}.base_url points at {parts.hostname}, a remote server, and no API key is "
+                f"set: set {group}.api_key=... or the {API_KEY_ENV} environment variable (only "
+                f"servers on this machine, such as llama-server on 127.0.0.1, need none)"
+            )
+        self.group = group
+        self.base_url = base_url.rstrip("/")
+        self.loopback = is_loopback(parts.hostname)
+        self._key = _Secret(key)
+        self.connect_timeout, self.read_timeout, self.max_retries = connect_timeout, read_timeout, max_retries
+        self.log = log
+        self._http: Any = None
+        self._httpx: Any = None
+        self._sock: socket.socket | None = None  # the pool's one connection, for abort()
+        self._cancel = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"RemoteClient({self.base_url!r}, api_key={self._key!r})"
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def open(self) -> list[str]:
+        """Create the connection pool and warm it up; returns the model ids the server lists.
+
+        A server still loading its model (llama-server answers 503) is waited for, up to
+        ``read_timeout``, so the first turn does not meet it half-ready.
+        """
+        httpx = self._httpx = require("httpx", "remote")
+        headers = {"Authorization": f"Bearer {self._key.reveal()}"} if self._key else {}
+        # One connection: requests are sequential, and abort() then knows which socket to cut.
+        self._http = httpx.Client(
+            headers=headers,
+            trust_env=not self.loopback,  # an http_proxy from the environment must not catch 127.0.0.1
+            timeout=httpx.Timeout(self.read_timeout, connect=self.connect_timeout),
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
+        )
+        deadline = time.monotonic() + self.read_timeout
+        while True:
+            resp = self._send("GET", "/models", None, stream=False, api="model list", tolerate=WARMUP_OK)
+            if resp.status_code != 503 or time.monotonic() > deadline:
+                break
+            if self.log is not None:
+                self.log.info("%s is still loading its model (HTTP 503); waiting", self.base_url)
+            time.sleep(0.5)
+        if resp.status_code == 503:
+            raise self._status_error(resp, self.base_url + "/models", "model list", "", attempts=1)
+        if resp.status_code != 200:
+            return []
+        try:
+            return [m["id"] for m in resp.json().get("data", []) if isinstance(m, dict) and "id" in m]
+        except (ValueError, AttributeError, TypeError):
+            return []
+
+    def close(self) -> None:
+        self.abort()
+        if self._http is not None:
+            self._http.close()
+
+    def abort(self) -> None:
+        """Cancel the request in flight, from any thread: a read blocked on the server (even
+        before the response headers, during a long prefill) returns at once."""
+        self._cancel.set()
+        sock = self._sock
+        if sock is not None:
+            with suppress(OSError):  # already closed
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpcore trace hook: remember the socket of each new connection."""
+        if event == "connection.connect_tcp.complete":
+            stream = info.get("return_value")
+            self._sock = stream.get_extra_info("socket") if stream is not None else None
+
+    # -- requests ---------------------------------------------------------------------
+
+    def post_json(self, path: str, body: dict[str, Any], *, api: str, hint_404: str = "") -> Any:
+        """One non-streamed request; the answer's JSON."""
+        resp = self._send("POST", path, body, stream=False, api=api, hint_404=hint_404)
+        try:
+            return resp.json()
+        except ValueError:
+            raise RemoteError(
+                f"the server at {self.base_url}{path} answered with something that is not JSON: "
+                f"{_shorten(resp.text)!r}"
+            ) from None
+
+    @contextmanager
+    def post_stream(
+        self, path: str, body: dict[str, Any], *, api: str, hint_404: str = ""
+    ) -> Iterator[Iterator[tuple[str, Any]]]:
+        """A streamed request, as ``(event, data)`` pairs; leaving the block closes the connection."""
+        resp = self._send("POST", path, body, stream=True, api=api, hint_404=hint_404)
+        ctype = resp.headers.get("content-type", "")
+        if not ctype.startswith("text/event-stream"):
+            resp.read()
+            resp.close()
+            raise RemoteError(
+                f"the server at {self.base_url}{path} answered {ctype or 'an untyped body'} instead "
+                f"of an event stream: {_shorten(resp.text)!r}; check {self.group}.base_url"
+            )
+        try:
+            if self._cancel.is_set():
+                raise Aborted("aborted")
+            yield self._events(resp, path)
+        finally:
+            resp.close()
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        stream: bool,
+        api: str,
+        hint_404: str = "",
+        tolerate: tuple[int, ...] = (),
+    ) -> Any:
+        """Send with bounded retries on connect errors, 429 and 5xx; never once bytes came."""
+        httpx, url = self._httpx, self.base_url + path
+        self._cancel.clear()
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"} if stream else None
+        for attempt in range(self.max_retries + 1):
+            retry = attempt < self.max_retries
+            try:
+                request = self._http.build_request(
+                    method, url, json=body, headers=headers, extensions={"trace": self._trace}
+                )
+                resp = self._http.send(request, stream=stream)
+            except httpx.TimeoutException as exc:
+                if isinstance(exc, httpx.ConnectTimeout) and retry and not self._cancel.is_set():
+                    self._pause(attempt, None)
+                    continue
+                raise self._transport_error(exc, url) from None
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                # refused, or a kept-alive connection the server was closing (llama-server closes
+                # one shortly after a streamed reply): nothing was served, so ask again
+                if retry and not self._cancel.is_set():
+                    if attempt or isinstance(exc, httpx.ConnectError):
+                        self._pause(attempt, None)
+                    continue  # a stale connection: at once, on a fresh one
+                raise self._transport_error(exc, url) from None
+            status = resp.status_code
+            if 200 <= status < 300 or status in tolerate:
+                return resp
+            resp.read()
+            resp.close()
+            if (status == 429 or status >= 500) and retry:
+                wait = _retry_after(resp.headers.get("retry-after"))
+                if wait is None or wait <= RETRY_AFTER_CAP_S:
+                    self._pause(attempt, wait)
+                    continue
+            raise self._status_error(resp, url, api, hint_404, attempts=attempt + 1)
+        raise AssertionError("unreachable")
+
+    def _pause(self, attempt: int, retry_after: float | None) -> None:
+        """Jittered exponential backoff (or the server's Retry-After); abort() cuts it short."""
+        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.5)
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        if self.log is not None:
+            self.log.info("retrying %s in %.2f s (attempt %d)", self.base_url, delay, attempt + 2)
+        if self._cancel.wait(delay):
+            raise Aborted("aborted")
+
+    def _events(self, resp: Any, path: str) -> Iterator[tuple[str, Any]]:
+        """Parse Server-Sent Events: ``(event name or "message", JSON data or "[DONE]")``."""
+        httpx = self._httpx
+        event, data, pending = "", [], b""
+        try:
+            for chunk in resp.iter_bytes():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for raw in lines:
+                    line = raw.rstrip(b"\r")
+                    if not line:
+                        if data:
+                            yield event or "message", self._decode(b"\n".join(data), path)
+                        event, data = "", []
+                        continue
+                    field, colon, value = line.partition(b":")
+                    value = value[1:] if value.startswith(b" ") else value
+                    if field == b"data" and colon:
+                        data.append(value)
+                    elif field == b"event" and colon:
+                        event = value.decode("utf-8", "replace")
+                    elif field not in (b"", b"id", b"retry"):
+                        raise self._malformed(path, line)
+            if pending.strip() or data:  # a last event without its blank line
+                if pending.strip():
+                    field, _, value = pending.rstrip(b"\r").partition(b":")
+                    if field != b"data":
+                        raise self._malformed(path, pending)
+                    data.append(value[1:] if value.startswith(b" ") else value)
+                yield event or "message", self._decode(b"\n".join(data), path)
+        except httpx.TimeoutException:
+            raise StreamBroken(
+                f"the server at {self.base_url}{path} sent nothing for {self.read_timeout:g} s "
+                f"({self.group}.read_timeout); raise it for slow servers or long prompts"
+            ) from None
+        except httpx.TransportError as exc:
+            if self._cancel.is_set():
+                raise Aborted("aborted") from None
+            raise StreamBroken(
+                f"the stream from {self.base_url}{path} broke off: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _decode(self, data: bytes, path: str) -> Any:
+        if data == b"[DONE]":
+            return "[DONE]"
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise self._malformed(path, b"data: " + data) from None
+
+    def _malformed(self, path: str, line: bytes) -> StreamBroken:
+        text = _shorten(line.decode("utf-8", "replace"), 200)
+        return StreamBroken(
+            f"the server at {self.base_url}{path} sent a malformed event-stream line: {text!r}; "
+            f"it is not an OpenAI-compatible server, or {self.group}.base_url is wrong"
+        )
+
+    def _transport_error(self, exc: Exception, url: str) -> RemoteError:
+        httpx = self._httpx
+        if self._cancel.is_set():
+            return Aborted("aborted")
+        if isinstance(exc, httpx.ConnectTimeout):
+            return RemoteError(
+                f"no answer from {self.base_url} within {self.connect_timeout:g} s "
+                f"({self.group}.connect_timeout): is the host up and the port open? "
+                f"Or fix {self.group}.base_url"
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return RemoteError(
+                f"the server at {url} did not start answering within {self.read_timeout:g} s "
+                f"({self.group}.read_timeout); raise it for slow servers or long prompts"
+            )
+        if isinstance(exc, httpx.ConnectError):
+            return RemoteError(
+                f"no server at {self.base_url} ({exc}): start it (e.g. llama-server -m model.gguf "
+                f"--port 8080) or fix {self.group}.base_url"
+            )
+        return RemoteError(f"the connection to {url} failed: {type(exc).__name__}: {exc}")
+
+    def _status_error(self, resp: Any, url: str, api: str, hint_404: str, *, attempts: int) -> RemoteError:
+        status, detail = resp.status_code, _server_detail(resp.content)
+        said = f"HTTP {status}: {detail}" if detail else f"HTTP {status}"
+        g = self.group
+        if status in (401, 403):
+            text = (
+                f"the server at {url} refused the API key ({said}): set {g}.api_key or {API_KEY_ENV} "
+                f"to a key this server accepts"
+            )
+        elif status == 404 and "model" in detail.lower():
+            text = (
+                f"the server at {self.base_url} does not serve the requested model ({said}): set "
+                f"{g}.model to one it lists at {self.base_url}/models"
+            )
+        elif status == 404:
+            text = f"this server has no {api} at {url} ({said}); {hint_404 or f'check {g}.base_url'}"
+        elif status == 429:
+            text = (
+                f"the server at {url} is rate-limiting requests ({said}) after {attempts} attempts; "
+                f"wait, lower the request rate, or raise {g}.max_retries"
+            )
+        elif status >= 500:
+            text = f"the server at {url} failed ({said}) on {attempts} attempts; see the server's log"
+        else:
+            text = f"the server at {url} rejected the request ({said})"
+            if "chat_template_kwargs" in detail:
+                text += f"; this server takes no chat_template_kwargs: set {g}.chat_template_kwargs=null"
+        return RemoteError(text, status=status, detail=detail)
+
+
+class RemoteLLM(Node):
+    """Shared body of ``llm=chat`` and ``llm=responses``: options, client, turn handling.
+
+    A subclass names its endpoint and fills in three pieces: the request body, how text
+    comes out of its stream events, and how it comes out of a non-streamed answer.
+    """
+
+    outputs = {"text": TextDelta}
+    secret_params = frozenset({"api_key"})
+
+    path: ClassVar[str]
+    api_name: ClassVar[str]
+    hint_404: ClassVar[str] = ""
+    DEFAULT_SYSTEM_PROMPT: ClassVar[str] = (
+        "You are a helpful voice assistant. Answer briefly in plain spoken sentences, "
+        "without lists, markdown or emojis."
+    )
+
+    def __init__(
+        self,
+        *,
+        base_url: str = DEFAULT_BASE_URL,
+        model: str | None = None,
+        api_key: str | None = None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        max_history_turns: int = 8,
+        stream: bool = True,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        reasoning_effort: str | None = None,
+        enable_thinking: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = EMPTY,
+        extra_body: Mapping[str, Any] | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_retries: int = 2,
+    ) -> None:
+        _check(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
+        _check(connect_timeout > 0, "connect_timeout", connect_timeout, "seconds > 0")
+        _check(read_timeout > 0, "read_timeout", read_timeout, "seconds > 0")
+        _check(0 <= max_retries <= 10, "max_retries", max_retries, "0 to 10")
+        _check(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
+        _check(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
+        _check(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
+        _check(reasoning_effort is None or bool(reasoning_effort), "reasoning_effort", reasoning_effort,
+               "null or an effort such as low, medium, high")
+        self.model = model or None
+        self.stream = stream
+        self.temperature, self.max_tokens, self.top_p, self.seed = temperature, max_tokens, top_p, seed
+        self.reasoning_effort = reasoning_effort
+        self.enable_thinking = enable_thinking
+        self.chat_template_kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+        self.extra_body = dict(extra_body or {})
+        self.client = RemoteClient(
+            group="llm",
+            base_url=base_url,
+            api_key=api_key,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_retries=max_retries,
+        )
+        self.conversation = Conversation(system_prompt, max_history_turns)
+        self._stale_below = -(2**62)  # turns below this were interrupted
+        self._turn: int | None = None  # the turn whose reply is streaming
+        self._answered: tuple[int, str] | None = None  # (turn, port) of the last reply
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self.client.base_url!r}, model={self.model!r})"
+
+    # -- what a subclass provides -----------------------------------------------------
+
+    def request_body(self) -> dict[str, Any]:
+        """The JSON body for the conversation as it stands."""
+        raise NotImplementedError
+
+    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str]:
+        """Reply text pieces out of the SSE events; raise RemoteError on an error event."""
+        raise NotImplementedError
+
+    def full_text(self, answer: Any) -> str:
+        """Reply text out of a non-streamed answer."""
+        raise NotImplementedError
+
+    def user_content(self, port: str, msg: Message) -> Any:
+        """What a user turn stores in the history; None skips the message."""
+        text = getattr(msg, "text", "")
+        if not text.strip():
+            self.ctx.log.info("turn %d: empty transcript, no reply", msg.turn)
+            return None
+        if not getattr(msg, "final", True):
+            return None  # partial transcripts: wait for the final one
+        return text
+
+    def explain(self, exc: RemoteError) -> RemoteError:
+        """A chance to add backend knowledge to an error before it stops the graph."""
+        return exc
+
+    def log_reply(self, *, usage: Any, reasoning: int, stop: Any, spoke: bool) -> None:
+        """One line per reply; a warning when the answer was cut or never came."""
+        log = self.ctx.log
+        log.debug("reply done: stop=%s usage=%s reasoning_deltas=%d", stop, usage, reasoning)
+        if stop in ("length", "max_output_tokens"):
+            log.warning("the reply hit the token limit (llm.max_tokens=%s) and was cut", self.max_tokens)
+        if reasoning and not spoke:
+            log.warning(
+                "the model spent the reply on reasoning (%d deltas) and said nothing: set "
+                "llm.enable_thinking=false or llm.reasoning_effort=low, or raise llm.max_tokens",
+                reasoning,
+            )
+
+    # -- shared -----------------------------------------------------------------------
+
+    def generation_options(self) -> dict[str, Any]:
+        """Options both APIs spell alike; ``extra_body`` is merged over the body last."""
+        body: dict[str, Any] = {"model": self.model} if self.model else {}
+        for key in ("temperature", "top_p", "seed"):
+            if getattr(self, key) is not None:
+                body[key] = getattr(self, key)
+        if self.chat_template_kwargs is not None:
+            kwargs = {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+            body["chat_template_kwargs"] = kwargs
+        return body
+
+    def setup(self) -> None:
+        self.client.log = self.ctx.log
+        self.ctx.progress(f"connecting to {self.client.base_url}")
+        try:
+            models = self.client.open()
+        except RemoteError as exc:
+            raise self.explain(exc) from None
+        if self.model and models and self.model not in models:
+            self.ctx.log.warning(
+                "llm.model=%r is not among the models %s lists (%s); the request may fail",
+                self.model, self.client.base_url, ", ".join(models[:5]),
+            )
+
+    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        last = self._answered
+        if last is not None and last[0] == msg.turn and last[1] != port:
+            self.ctx.log.debug("turn %d was answered from %r already; %r ignored", msg.turn, last[1], port)
+            return  # both text and audio wired: one reply per turn
+        user = self.user_content(port, msg)
+        if user is None:
+            return
+        self._answered = (msg.turn, port)
+        exchange: Exchange = self.conversation.add_user(user, msg.turn)
+        yield from reply_deltas(
+            self._reply(msg.turn), turn=msg.turn, conversation=self.conversation, exchange=exchange,
+            log=self.ctx.log, interrupted=lambda: msg.turn < self._stale_below,
+        )
+
+    def reset(self) -> None:
+        """Next conversation of a batch: an empty history (the connection stays warm)."""
+        self.conversation = Conversation(self.conversation.system_prompt, self.conversation.max_turns)
+        self._answered = None
+
+    def on_interrupt(self, turn: int) -> None:
+        self._stale_below = max(self._stale_below, turn)
+        current = self._turn
+        if current is not None and current < turn:
+            self.client.abort()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _reply(self, turn: int) -> Iterator[str]:
+        """Reply text as it streams. Before the first token a failure raises; after it, the
+        reply ends where it broke (logged): an answer is never replayed from the start."""
+        if turn < self._stale_below:
+            return
+        body = self.request_body()
+        produced = False
+        self._turn = turn
+        try:
+            if not self.stream:
+                yield self.full_text(
+                    self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
+                )
+                return
+            stream = self.client.post_stream(self.path, body, api=self.api_name, hint_404=self.hint_404)
+            with stream as events:
+                for text in self.stream_texts(events):
+                    if turn < self._stale_below:
+                        return
+                    produced = True
+                    yield text
+        except RemoteError as exc:
+            if turn < self._stale_below or isinstance(exc, Aborted):
+                return  # barge-in closed the stream on purpose
+            if produced:
+                self.ctx.log.error("turn %d: reply cut short, keeping the text so far: %s", turn, exc)
+                return
+            raise self.explain(exc) from None
+        finally:
+            self._turn = None
+
+
+def _check(ok: bool, option: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"llm.{option}={value!r} is out of range: expected {expected}")

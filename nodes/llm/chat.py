@@ -1,0 +1,176 @@
+"""``llm=chat``: any OpenAI Chat Completions server, streamed; the one LLM that hears audio.
+
+With ``stt=none`` the user's ``Speech`` goes to the model as a WAV content part, for
+audio-capable models (llama-server with an audio ``--mmproj``, vLLM, OpenAI audio models).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nodes._remote import DEFAULT_BASE_URL, EMPTY, RemoteError, RemoteLLM
+from nodes.llm._conversation import Exchange
+from s2s_flow.audio import wav_bytes
+from s2s_flow.errors import ConfigError
+from s2s_flow.messages import Message, Speech, TextDelta, Transcript
+
+AUDIO_CONTENT_TYPES = ("input_audio", "audio_url")
+AUDIO_PLACEHOLDER = "[user audio]"
+
+
+@dataclass(frozen=True, slots=True)
+class AudioTurn:
+    """A spoken user turn, encoded once: base64 of a 16-bit mono WAV."""
+
+    b64: str
+    seconds: float
+
+
+class ChatCompletionsLLM(RemoteLLM):
+    """``POST {base_url}/chat/completions`` with SSE streaming; text or audio user turns."""
+
+    inputs = {"text": Transcript, "audio": Speech}
+    optional_inputs = frozenset({"text", "audio"})
+    outputs = {"text": TextDelta}
+
+    path = "/chat/completions"
+    api_name = "Chat Completions API"
+    hint_404 = "check llm.base_url (it usually ends in /v1)"
+
+    def __init__(
+        self,
+        *,
+        base_url: str = DEFAULT_BASE_URL,
+        model: str | None = None,
+        api_key: str | None = None,
+        system_prompt: str | None = RemoteLLM.DEFAULT_SYSTEM_PROMPT,
+        max_history_turns: int = 8,
+        stream: bool = True,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        reasoning_effort: str | None = None,
+        enable_thinking: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = EMPTY,
+        extra_body: Mapping[str, Any] | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_retries: int = 2,
+        audio_content_type: str = "input_audio",
+        audio_prompt: str | None = None,
+        keep_audio_turns: int = 1,
+    ) -> None:
+        super().__init__(
+            base_url=base_url, model=model, api_key=api_key, system_prompt=system_prompt,
+            max_history_turns=max_history_turns, stream=stream, temperature=temperature,
+            max_tokens=max_tokens, top_p=top_p, seed=seed, reasoning_effort=reasoning_effort,
+            enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
+            extra_body=extra_body, connect_timeout=connect_timeout, read_timeout=read_timeout,
+            max_retries=max_retries,
+        )
+        if audio_content_type not in AUDIO_CONTENT_TYPES:
+            raise ConfigError(
+                f"llm.audio_content_type={audio_content_type!r} is not known: use input_audio "
+                f"(llama.cpp, OpenAI) or audio_url (vLLM)"
+            )
+        if keep_audio_turns < 1:
+            raise ConfigError(
+                f"llm.keep_audio_turns={keep_audio_turns} must be at least 1 (the turn being answered)"
+            )
+        self.audio_content_type = audio_content_type
+        self.audio_prompt = audio_prompt or None
+        self.keep_audio_turns = keep_audio_turns
+
+    # -- request ----------------------------------------------------------------------
+
+    def user_content(self, port: str, msg: Message) -> Any:
+        if not isinstance(msg, Speech):
+            return super().user_content(port, msg)
+        if len(msg.pcm) == 0:
+            self.ctx.log.info("turn %d: empty speech, no reply", msg.turn)
+            return None
+        b64 = base64.b64encode(wav_bytes(msg.pcm, msg.rate)).decode("ascii")
+        return AudioTurn(b64=b64, seconds=len(msg.pcm) / msg.rate)
+
+    def render_user(self, exchange: Exchange, age: int) -> Any:
+        """Text as is; audio as a content part for the newest turns, a placeholder before."""
+        if not isinstance(exchange.user, AudioTurn):
+            return exchange.user
+        if age >= self.keep_audio_turns:
+            return AUDIO_PLACEHOLDER
+        if self.audio_content_type == "input_audio":
+            part = {"type": "input_audio", "input_audio": {"data": exchange.user.b64, "format": "wav"}}
+        else:
+            part = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{exchange.user.b64}"}}
+        return [{"type": "text", "text": self.audio_prompt}, part] if self.audio_prompt else [part]
+
+    def request_body(self) -> dict[str, Any]:
+        body = self.generation_options()
+        body["messages"] = self.conversation.messages(self.render_user)
+        body["stream"] = self.stream
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        if self.reasoning_effort is not None:
+            body["reasoning_effort"] = self.reasoning_effort
+        return {**body, **self.extra_body}
+
+    # -- answer -----------------------------------------------------------------------
+
+    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str]:
+        reasoning, usage, finish, spoke = 0, None, None, False
+        for _, data in events:
+            if data == "[DONE]":
+                continue  # read on to the end of the body: the connection stays reusable
+            if not isinstance(data, dict):
+                continue
+            if "error" in data:
+                raise RemoteError(f"the server at {self.client.base_url} reported an error: {data['error']}")
+            usage = data.get("usage") or usage
+            for choice in data.get("choices") or ():
+                if choice.get("index", 0) != 0:
+                    continue
+                delta = choice.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    reasoning += 1  # thinking is not spoken
+                if delta.get("content"):
+                    spoke = True
+                    yield delta["content"]
+                finish = choice.get("finish_reason") or finish
+        self.log_reply(usage=usage, reasoning=reasoning, stop=finish, spoke=spoke)
+
+    def full_text(self, answer: Any) -> str:
+        try:
+            message = answer["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError):
+            raise RemoteError(
+                f"the server at {self.client.base_url} answered without choices[0].message: "
+                f"{str(answer)[:200]}"
+            ) from None
+        text = message.get("content") or ""
+        self.log_reply(
+            usage=answer.get("usage"), reasoning=int(bool(message.get("reasoning_content"))),
+            stop=answer["choices"][0].get("finish_reason"), spoke=bool(text),
+        )
+        return text
+
+    def explain(self, exc: RemoteError) -> RemoteError:
+        """A server that cannot take the audio part: say which model or stage to use instead."""
+        last = self.conversation.exchanges[-1] if self.conversation.exchanges else None
+        if last is None or not isinstance(last.user, AudioTurn) or exc.status is None:
+            return exc
+        detail = exc.detail.lower()
+        if "audio" in detail or "multimodal" in detail or "mmproj" in detail or "content" in detail:
+            return RemoteError(
+                f"{exc}. The model at {self.client.base_url} has no audio input: serve a model with "
+                f"an audio projector (llama-server -m model.gguf --mmproj mmproj.gguf, or vLLM with "
+                f"an audio model), or transcribe first with an stt backend (e.g. stt=whisper) instead "
+                f"of stt=none",
+                status=exc.status, detail=exc.detail,
+            )
+        return exc
