@@ -1,0 +1,324 @@
+"""Per-turn latency, computed from the engine's trace alone: the numbers users pick a stack by.
+
+No node measures itself. Stages are found by the messages they emit (``Speech``,
+``Transcript``, ``TextDelta``, ``AudioOut``; a sink is a node without outputs) and their
+milestones by message marks (``Message.marks()``, recorded by the scheduler as
+``out:<mark>`` when a node emits and ``in:<mark>`` when one receives). Every latency is in
+milliseconds from the user's true end of speech (the ``speech_end`` mark: VAD stop minus its
+silence hangover); voice-to-voice ends when the first reply audio reaches a sink.
+
+The critical path of a turn is cut into stage time (a node between receiving its input
+and emitting its output) and ring time (from a message's creation to its pickup
+downstream); the two add up exactly to voice-to-voice.
+
+    report = metrics.report(trace, scheduler.ring_stats, graph)
+    metrics.write(report, run_dir)          # metrics.json (+ timeline.png on request)
+    metrics.show(report, console)           # a rich table
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from s2s_flow.messages import AudioOut, Speech, TextDelta, Transcript
+
+__all__ = ["report", "write", "show", "figures", "plot_timeline", "MILESTONES", "STAGES"]
+
+log = logging.getLogger("s2s_flow.metrics")
+
+SCHEMA = 1
+
+#: Stage roles on the critical path, the message type that identifies each, the mark
+#: its critical output carries. The LLM's critical output is its first sentence: TTS
+#: speaks whole sentences.
+_ROLES: tuple[tuple[str, type, str], ...] = (
+    ("vad", Speech, "speech_end"),
+    ("stt", Transcript, "transcript_final"),
+    ("llm", TextDelta, "sentence"),
+    ("tts", AudioOut, "audio"),
+)
+
+#: Cumulative milestones, ms after the true end of speech: (key, label).
+MILESTONES: tuple[tuple[str, str], ...] = (
+    ("vad_ms", "end of turn detected (VAD)"),
+    ("stt_ms", "STT final transcript"),
+    ("llm_first_token_ms", "LLM first token"),
+    ("llm_first_sentence_ms", "LLM first sentence"),
+    ("tts_first_audio_ms", "TTS first audio"),
+    ("voice_to_voice_ms", "voice-to-voice (first audio at sink)"),
+)
+
+#: The critical path split in parts that add up to voice-to-voice: (key, label).
+STAGES: tuple[tuple[str, str], ...] = (
+    ("stage_vad_ms", "VAD hangover + decision"),
+    ("stage_stt_ms", "STT"),
+    ("stage_llm_ms", "LLM to first sentence"),
+    ("stage_tts_ms", "TTS to first audio"),
+    ("ring_wait_ms", "ring wait on the critical path"),
+)
+
+_STATS_KEYS = [k for k, _ in MILESTONES] + [k for k, _ in STAGES]
+
+
+# -- building the report -----------------------------------------------------------------
+
+
+def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None,
+           graph: Any = None) -> dict[str, Any]:
+    """Per-turn latencies, summary statistics and ring counters of one run.
+
+    ``trace`` is a :class:`s2s_flow.trace.Trace` or its ``to_dict()`` form (trace.json);
+    ``graph`` (a :class:`s2s_flow.graph.Graph`) names the stages by the types their class
+    emits; without it, stages are recognised by the marks they left in the trace.
+    """
+    data = trace.to_dict() if hasattr(trace, "to_dict") else dict(trace)
+    if ring_stats is None:
+        ring_stats = data.get("rings") or {}
+    nodes: dict[str, dict[str, dict[str, Any]]] = data.get("nodes", {})
+    roles = _roles_from_graph(graph) if graph is not None else _roles_from_marks(nodes)
+    chain = list(getattr(graph, "chain", None) or nodes)
+    interrupts = [e for e in data.get("events", []) if e.get("kind") == "interrupt"]
+    conversations = data.get("conversations", {})
+
+    turn_ids = sorted({int(t) for table in nodes.values() for t in table if int(t) > 0})
+    turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), "")) for t in turn_ids]
+    warmup = turns[0] if turns else None
+    if warmup is not None:
+        warmup["warmup"] = True
+    measured = turns[1:] if len(turns) > 1 else turns
+
+    drops = {edge: int(s.get("drops", 0)) for edge, s in ring_stats.items() if s.get("drops")}
+    return {
+        "schema": SCHEMA,
+        "units": "milliseconds after the user's true end of speech; *_s fields are seconds since the run start",
+        "roles": roles,
+        "turns": turns,
+        "warmup_turn": warmup["turn"] if warmup else None,
+        "warmup_excluded": len(turns) > 1,
+        "measured_turns": len(measured),
+        "summary": {key: _stats([t.get(key) for t in measured]) for key in _STATS_KEYS},
+        "warmup": {key: warmup.get(key) for key in _STATS_KEYS} if warmup else None,
+        "rings": {edge: dict(s) for edge, s in ring_stats.items()},
+        "drops": drops,
+        "drops_total": sum(drops.values()),
+    }
+
+
+def _roles_from_graph(graph: Any) -> dict[str, list[str]]:
+    roles: dict[str, list[str]] = {}
+    for role, typ, _ in _ROLES:
+        roles[role] = [name for name, spec in graph.nodes.items()
+                       if any(issubclass(t, typ) for t in spec.cls.outputs.values())]
+    roles["sink"] = [name for name, spec in graph.nodes.items() if spec.cls.inputs and not spec.cls.outputs]
+    return roles
+
+
+def _roles_from_marks(nodes: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Without the graph: a stage is the node that emitted its marks; a sink emitted nothing."""
+    def has(name: str, pred: Any) -> bool:
+        return any(pred(rec) for rec in nodes[name].values())
+
+    outs = {"vad": ("out:speech_end",), "stt": ("out:transcript_final",),
+            "llm": ("out:token", "out:sentence"), "tts": ("out:audio",)}
+    roles = {role: [n for n in nodes if has(n, lambda r, ks=keys: any(k in r["marks"] for k in ks))]
+             for role, keys in outs.items()}
+    roles["sink"] = [n for n in nodes if has(n, lambda r: r["n_in"]) and not has(n, lambda r: r["n_out"])]
+    return roles
+
+
+def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]], chain: list[str],
+          turn: int, interrupts: list[dict[str, Any]], conversation: str) -> dict[str, Any]:
+    key = str(turn)
+    recs = {name: table[key] for name, table in nodes.items() if key in table}
+
+    def first(role: str, name: str) -> tuple[str | None, float | None]:
+        """The node of ``role`` that reached mark ``name`` first in this turn, and when."""
+        found = [(recs[n]["marks"][name], n) for n in roles.get(role, ()) if n in recs and name in recs[n]["marks"]]
+        return (min(found)[1], min(found)[0]) if found else (None, None)
+
+    def mark(role: str, name: str) -> float | None:
+        return first(role, name)[1]
+
+    end = mark("vad", "out:speech_end")
+    row: dict[str, Any] = {"turn": turn, "conversation": conversation, "warmup": False,
+                           "speech_end_s": end}
+    # When the VAD let go of the utterance: its emit time, not the (back-dated) mark.
+    vad_emit = min((recs[n]["last_out"] for n in roles.get("vad", ())
+                    if n in recs and "out:speech_end" in recs[n]["marks"] and recs[n]["last_out"] is not None),
+                   default=end)
+    token = [t for t in (mark("llm", "out:token"), mark("llm", "out:sentence")) if t is not None]
+    at = {
+        "vad_ms": vad_emit,
+        "stt_ms": mark("stt", "out:transcript_final"),
+        "llm_first_token_ms": min(token) if token else None,
+        "llm_first_sentence_ms": mark("llm", "out:sentence"),
+        "tts_first_audio_ms": mark("tts", "out:audio"),
+        "voice_to_voice_ms": mark("sink", "in:audio"),
+    }
+    for k, t in at.items():
+        row[k] = _ms(t, end)
+
+    # The critical path: stage, ring, stage, ring ... each piece from its own two marks.
+    segments: list[tuple[str, float, float]] = []
+    if end is not None and vad_emit is not None:
+        segments.append(("vad", end, vad_emit))
+        prev_mark, prev_t = "speech_end", vad_emit
+        for role, _, out_mark in _ROLES[1:]:
+            if not roles.get(role):
+                continue  # the stage is not in this graph (stt=none)
+            # in and out of the same node: a side node (a partial transcriber) may also take the input
+            node, t_out = first(role, "out:" + out_mark)
+            t_in = recs[node]["marks"].get("in:" + prev_mark) if node else None
+            if t_in is None or t_out is None:
+                prev_mark = ""
+                break
+            segments += [("ring", prev_t, t_in), (role, t_in, t_out)]
+            prev_mark, prev_t = out_mark, t_out
+        t_sink = mark("sink", "in:" + prev_mark) if prev_mark else None
+        if t_sink is not None:
+            segments.append(("ring", prev_t, t_sink))
+    for role in ("vad", "stt", "llm", "tts"):
+        row[f"stage_{role}_ms"] = next((_ms(b, a) for r, a, b in segments if r == role), None)
+    rings = [b - a for r, a, b in segments if r == "ring"]
+    row["ring_wait_ms"] = _ms(sum(rings), 0.0) if rings and row["voice_to_voice_ms"] is not None else None
+    row["queued_ms"] = _ms(sum(recs[n]["wait_s"] for n in chain if n in recs), 0.0)
+    row["segments"] = [{"part": r, "from_ms": _ms(a, end), "to_ms": _ms(b, end)} for r, a, b in segments]
+
+    done = max((r["last_out"] or r["last_in"] or 0.0 for r in recs.values()), default=0.0)
+    row["interrupted"] = any(e.get("turn", 0) > turn and e["t"] < done for e in interrupts)
+    return row
+
+
+def _ms(t: float | None, since: float | None) -> float | None:
+    if t is None or since is None:
+        return None
+    return round((t - since) * 1000.0, 1)
+
+
+def _stats(values: list[float | None]) -> dict[str, Any]:
+    import numpy as np
+
+    xs = np.array([v for v in values if v is not None], dtype=float)
+    if not len(xs):
+        return {"n": 0, "p50": None, "p95": None, "max": None, "mean": None}
+    return {"n": int(len(xs)), "p50": round(float(np.percentile(xs, 50)), 1),
+            "p95": round(float(np.percentile(xs, 95)), 1), "max": round(float(xs.max()), 1),
+            "mean": round(float(xs.mean()), 1)}
+
+
+# -- outputs -----------------------------------------------------------------------------
+
+
+def figures(rep: Mapping[str, Any]) -> dict[str, Any]:
+    """The headline numbers as a flat dict: a job's return value in a Hydra sweep."""
+    out: dict[str, Any] = {"measured_turns": rep["measured_turns"], "drops_total": rep["drops_total"]}
+    for key in _STATS_KEYS:
+        name = key.removesuffix("_ms")
+        s = rep["summary"][key]
+        out[f"{name}_p50_ms"], out[f"{name}_p95_ms"] = s["p50"], s["p95"]
+    out["voice_to_voice_max_ms"] = rep["summary"]["voice_to_voice_ms"]["max"]
+    out["warmup_voice_to_voice_ms"] = (rep["warmup"] or {}).get("voice_to_voice_ms")
+    return out
+
+
+def write(rep: Mapping[str, Any], run_dir: Path | str, *, timeline: bool = False) -> Path:
+    """``metrics.json`` in the run dir, and ``timeline.png`` when asked (needs the `plot` extra)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.json"
+    path.write_text(json.dumps(rep, indent=1))
+    if timeline and rep["turns"]:
+        try:
+            plot_timeline(rep, run_dir / "timeline.png")
+        except ImportError as exc:
+            log.warning("metrics.timeline=true needs matplotlib (%s): pip install 's2s-flow[plot]'", exc)
+    return path
+
+
+def show(rep: Mapping[str, Any], console: Any) -> None:
+    """The run's latencies as a rich table (ms after the true end of user speech)."""
+    from rich.table import Table
+
+    turns = rep["turns"]
+    if not turns:
+        return
+    title = "latency (ms after the user's true end of speech)"
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("", no_wrap=True)
+    rows = [*MILESTONES, *STAGES]
+    if len(turns) == 1:
+        table.add_column(f"turn {turns[0]['turn']}", justify="right")
+        for i, (key, label) in enumerate(rows):
+            table.add_row(label, _fmt(turns[0].get(key)), end_section=i == len(MILESTONES) - 1)
+    else:
+        table.add_column(f"warm-up (turn {rep['warmup_turn']})", justify="right", style="dim")
+        for col in ("p50", "p95", "max"):
+            table.add_column(col, justify="right", style="bold" if col == "p50" else None)
+        table.add_column("n", justify="right", style="dim")
+        for i, (key, label) in enumerate(rows):
+            s = rep["summary"][key]
+            table.add_row(label, _fmt(rep["warmup"].get(key)), _fmt(s["p50"]), _fmt(s["p95"]), _fmt(s["max"]),
+                          str(s["n"]), end_section=i == len(MILESTONES) - 1)
+    n = len(turns)
+    notes = [f"{n} turn{'s' * (n != 1)}"]
+    if rep["warmup_excluded"]:
+        notes.append(f"warm-up turn {rep['warmup_turn']} not in the statistics")
+    interrupted = sum(t["interrupted"] for t in turns)
+    if interrupted:
+        notes.append(f"{interrupted} interrupted")
+    missing = sum(t["voice_to_voice_ms"] is None for t in turns)
+    if missing:
+        notes.append(f"{missing} without reply audio")
+    drops = rep["drops"]
+    notes.append("drops: " + (", ".join(f"{e} {d}" for e, d in drops.items()) if drops else "none"))
+    table.caption = "; ".join(notes)
+    table.caption_justify = "left"
+    console.print(table)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+_COLORS = {"vad": "#9ecae1", "stt": "#3182bd", "llm": "#e6550d", "tts": "#31a354", "ring": "#bdbdbd"}
+_LABELS = {"vad": "VAD hangover", "stt": "STT", "llm": "LLM to first sentence", "tts": "TTS to first audio",
+           "ring": "rings"}
+
+
+def plot_timeline(rep: Mapping[str, Any], path: Path | str) -> Path:
+    """One bar per turn: the stages of its critical path from end of speech to first audio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = rep["turns"]
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.32 * len(turns)))
+    seen: set[str] = set()
+    for y, t in enumerate(turns):
+        for seg in t["segments"]:
+            part = seg["part"]
+            ax.barh(y, seg["to_ms"] - seg["from_ms"], left=seg["from_ms"], height=0.6, color=_COLORS[part],
+                    label=None if part in seen else _LABELS[part])
+            seen.add(part)
+        if t.get("llm_first_token_ms") is not None:
+            ax.plot([t["llm_first_token_ms"]] * 2, [y - 0.3, y + 0.3], color="black", lw=1,
+                    label=None if "token" in seen else "LLM first token")
+            seen.add("token")
+    ax.set_yticks(range(len(turns)))
+    ax.set_yticklabels([f"{t['turn']}{' (warm-up)' if t['warmup'] else ''} {t['conversation']}".strip()
+                        for t in turns], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms after the user's true end of speech")
+    ax.set_title("critical path per turn: end of speech -> first audio at the sink", fontsize=10)
+    fig.tight_layout()
+    ax.legend(fontsize=8, ncol=6, frameon=False, loc="upper center",
+              bbox_to_anchor=(0.5, 0), bbox_transform=fig.transFigure)  # below; bbox_inches="tight" keeps it
+    ax.grid(axis="x", alpha=0.3)
+    path = Path(path)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
