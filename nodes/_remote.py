@@ -1,10 +1,11 @@
 """One HTTP client for OpenAI-compatible servers (llama-server, vLLM, mlx_lm.server, OpenAI).
 
-What every remote backend needs and should not write twice: the API key rule (loopback
-servers need none; it never reaches a log or a message), one keep-alive connection pool
-warmed up in ``setup()``, bounded retries before the first byte, an SSE reader that fails
-loudly on garbage, errors that say what to type, and an abort that closes a live stream
-from another thread at once. Plus :class:`RemoteLLM`, the node both LLM APIs build on.
+What every remote backend (llm=chat|responses, stt=openai, tts=openai) needs and should not
+write twice: the API key rule (loopback servers need none; it never reaches a log or a
+message), one keep-alive connection pool opened in ``setup()``, bounded retries before the
+first byte, JSON, multipart, SSE and raw byte streams, errors that say what to type, and an
+abort that closes a live stream from another thread at once. Plus :class:`RemoteLLM`, the
+node both LLM APIs build on.
 
 httpx is imported in :meth:`RemoteClient.open`, so composing a config costs nothing.
 """
@@ -30,7 +31,8 @@ from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message, TextDelta
 from s2s_flow.node import Node, require
 
-__all__ = ["RemoteError", "StreamBroken", "RemoteClient", "RemoteLLM", "DEFAULT_BASE_URL"]
+__all__ = ["RemoteError", "RemoteRefused", "StreamBroken", "Aborted", "RemoteClient", "RemoteLLM",
+           "DEFAULT_BASE_URL"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -48,6 +50,10 @@ class RemoteError(S2SError):
     def __init__(self, text: str, *, status: int | None = None, detail: str = "") -> None:
         super().__init__(text)
         self.status, self.detail = status, detail
+
+
+class RemoteRefused(RemoteError, ConfigError):
+    """401, 403 or 404: the key, the URL or the model is wrong; asking again cannot help."""
 
 
 class StreamBroken(RemoteError):
@@ -93,12 +99,12 @@ def _shorten(text: str, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _server_detail(body: bytes) -> str:
+def _server_detail(body: str) -> str:
     """The human part of an error body: OpenAI's ``error.message``, vLLM's ``message``..."""
     try:
         data = json.loads(body)
     except ValueError:
-        return _shorten(body.decode("utf-8", "replace"))
+        return _shorten(body)
     if isinstance(data, dict):
         err = data.get("error", data)
         if isinstance(err, dict):
@@ -141,19 +147,27 @@ class RemoteClient:
         connect_timeout: float,
         read_timeout: float,
         max_retries: int,
+        start_hint: str = "",
         log: Any = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
                 f"{group}.base_url={base_url!r} is not an http(s) URL; give the server's API root, "
-                f"e.g. {group}.base_url={DEFAULT_BASE_URL}"
+                f"e.g. {group}.base_url=https://api.openai.com/v1 or {DEFAULT_BASE_URL}"
             )
         if parts.username or parts.password:
             raise ConfigError(
                 f"{group}.base_url must not carry credentials; put the key in {group}.api_key "
                 f"or {API_KEY_ENV}"
             )
+        for option, value, ok, expected in (
+            ("connect_timeout", connect_timeout, connect_timeout > 0, "seconds > 0"),
+            ("read_timeout", read_timeout, read_timeout > 0, "seconds > 0"),
+            ("max_retries", max_retries, 0 <= max_retries <= 10, "0 to 10"),
+        ):
+            if not ok:
+                raise ConfigError(f"{group}.{option}={value!r} is out of range: expected {expected}")
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
         if not key and not is_loopback(parts.hostname):
             raise ConfigError(
@@ -166,6 +180,7 @@ class RemoteClient:
         self.loopback = is_loopback(parts.hostname)
         self._key = _Secret(key)
         self.connect_timeout, self.read_timeout, self.max_retries = connect_timeout, read_timeout, max_retries
+        self.start_hint = start_hint  # how to start a typical server, for the "no server" error
         self.log = log
         self._http: Any = None
         self._httpx: Any = None
@@ -177,11 +192,12 @@ class RemoteClient:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def open(self) -> list[str]:
+    def open(self, *, warm_up: bool = True) -> list[str]:
         """Create the connection pool and warm it up; returns the model ids the server lists.
 
         A server still loading its model (llama-server answers 503) is waited for, up to
-        ``read_timeout``, so the first turn does not meet it half-ready.
+        ``read_timeout``, so the first turn does not meet it half-ready. Without ``warm_up``
+        only the pool is made: speech servers often have no ``GET /models`` to ask.
         """
         httpx = self._httpx = require("httpx", "remote")
         headers = {"Authorization": f"Bearer {self._key.reveal()}"} if self._key else {}
@@ -192,9 +208,11 @@ class RemoteClient:
             timeout=httpx.Timeout(self.read_timeout, connect=self.connect_timeout),
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
         )
+        if not warm_up:
+            return []
         deadline = time.monotonic() + self.read_timeout
         while True:
-            resp = self._send("GET", "/models", None, stream=False, api="model list", tolerate=WARMUP_OK)
+            resp = self._send("GET", "/models", stream=False, api="model list", tolerate=WARMUP_OK)
             if resp.status_code != 503 or time.monotonic() > deadline:
                 break
             if self.log is not None:
@@ -231,15 +249,20 @@ class RemoteClient:
 
     # -- requests ---------------------------------------------------------------------
 
-    def post_json(self, path: str, body: dict[str, Any], *, api: str, hint_404: str = "") -> Any:
-        """One non-streamed request; the answer's JSON."""
-        resp = self._send("POST", path, body, stream=False, api=api, hint_404=hint_404)
+    def post_json(
+        self, path: str, body: dict[str, Any], *, api: str, hint_404: str = "",
+        files: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """One non-streamed request; the answer's JSON. With ``files`` the body goes as
+        multipart form fields next to them (``/audio/transcriptions``)."""
+        content = {"data": body, "files": files} if files else {"json": body}
+        resp = self._send("POST", path, stream=False, api=api, hint_404=hint_404, **content)
         try:
             return resp.json()
         except ValueError:
             raise RemoteError(
                 f"the server at {self.base_url}{path} answered with something that is not JSON: "
-                f"{_shorten(resp.text)!r}"
+                f"{self._quote(resp.text)!r}"
             ) from None
 
     @contextmanager
@@ -247,19 +270,33 @@ class RemoteClient:
         self, path: str, body: dict[str, Any], *, api: str, hint_404: str = ""
     ) -> Iterator[Iterator[tuple[str, Any]]]:
         """A streamed request, as ``(event, data)`` pairs; leaving the block closes the connection."""
-        resp = self._send("POST", path, body, stream=True, api=api, hint_404=hint_404)
-        ctype = resp.headers.get("content-type", "")
-        if not ctype.startswith("text/event-stream"):
-            resp.read()
-            resp.close()
-            raise RemoteError(
-                f"the server at {self.base_url}{path} answered {ctype or 'an untyped body'} instead "
-                f"of an event stream: {_shorten(resp.text)!r}; check {self.group}.base_url"
-            )
+        with self._streamed(path, body, api, hint_404, accept="text/event-stream") as resp:
+            ctype = resp.headers.get("content-type", "")
+            if not ctype.startswith("text/event-stream"):
+                resp.read()
+                raise RemoteError(
+                    f"the server at {self.base_url}{path} answered {ctype or 'an untyped body'} instead "
+                    f"of an event stream: {self._quote(resp.text)!r}; check {self.group}.base_url"
+                )
+            yield self._events(resp, path)
+
+    @contextmanager
+    def post_bytes(
+        self, path: str, body: dict[str, Any], *, api: str, hint_404: str = ""
+    ) -> Iterator[Iterator[bytes]]:
+        """A request whose answer is read as it arrives (audio); leaving the block closes it."""
+        with self._streamed(path, body, api, hint_404) as resp:
+            yield self._bytes(resp, path)
+
+    @contextmanager
+    def _streamed(
+        self, path: str, body: dict[str, Any], api: str, hint_404: str, *, accept: str | None = None
+    ) -> Iterator[Any]:
+        resp = self._send("POST", path, stream=True, api=api, hint_404=hint_404, json=body, accept=accept)
         try:
             if self._cancel.is_set():
                 raise Aborted("aborted")
-            yield self._events(resp, path)
+            yield resp
         finally:
             resp.close()
 
@@ -267,22 +304,26 @@ class RemoteClient:
         self,
         method: str,
         path: str,
-        body: dict[str, Any] | None,
         *,
         stream: bool,
         api: str,
         hint_404: str = "",
         tolerate: tuple[int, ...] = (),
+        accept: str | None = None,
+        **content: Any,
     ) -> Any:
-        """Send with bounded retries on connect errors, 429 and 5xx; never once bytes came."""
+        """Send with bounded retries on connect errors, 429 and 5xx; never once bytes came.
+        ``content``: httpx's ``json=`` or ``data=`` and ``files=``."""
         httpx, url = self._httpx, self.base_url + path
         self._cancel.clear()
-        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"} if stream else None
+        headers = {"Accept-Encoding": "identity"} if stream else {}  # chunks as the server sends them
+        if accept:
+            headers["Accept"] = accept
         for attempt in range(self.max_retries + 1):
             retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(
-                    method, url, json=body, headers=headers, extensions={"trace": self._trace}
+                    method, url, headers=headers, extensions={"trace": self._trace}, **content
                 )
                 resp = self._http.send(request, stream=stream)
             except httpx.TimeoutException as exc:
@@ -323,34 +364,38 @@ class RemoteClient:
 
     def _events(self, resp: Any, path: str) -> Iterator[tuple[str, Any]]:
         """Parse Server-Sent Events: ``(event name or "message", JSON data or "[DONE]")``."""
-        httpx = self._httpx
         event, data, pending = "", [], b""
+        for chunk in self._bytes(resp, path):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.rstrip(b"\r")
+                if not line:
+                    if data:
+                        yield event or "message", self._decode(b"\n".join(data), path)
+                    event, data = "", []
+                    continue
+                field, colon, value = line.partition(b":")
+                value = value[1:] if value.startswith(b" ") else value
+                if field == b"data" and colon:
+                    data.append(value)
+                elif field == b"event" and colon:
+                    event = value.decode("utf-8", "replace")
+                elif field not in (b"", b"id", b"retry"):
+                    raise self._malformed(path, line)
+        if pending.strip() or data:  # a last event without its blank line
+            if pending.strip():
+                field, _, value = pending.rstrip(b"\r").partition(b":")
+                if field != b"data":
+                    raise self._malformed(path, pending)
+                data.append(value[1:] if value.startswith(b" ") else value)
+            yield event or "message", self._decode(b"\n".join(data), path)
+
+    def _bytes(self, resp: Any, path: str) -> Iterator[bytes]:
+        """The body as it arrives; silence, a cut connection or abort() end it with an error."""
+        httpx = self._httpx
         try:
-            for chunk in resp.iter_bytes():
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for raw in lines:
-                    line = raw.rstrip(b"\r")
-                    if not line:
-                        if data:
-                            yield event or "message", self._decode(b"\n".join(data), path)
-                        event, data = "", []
-                        continue
-                    field, colon, value = line.partition(b":")
-                    value = value[1:] if value.startswith(b" ") else value
-                    if field == b"data" and colon:
-                        data.append(value)
-                    elif field == b"event" and colon:
-                        event = value.decode("utf-8", "replace")
-                    elif field not in (b"", b"id", b"retry"):
-                        raise self._malformed(path, line)
-            if pending.strip() or data:  # a last event without its blank line
-                if pending.strip():
-                    field, _, value = pending.rstrip(b"\r").partition(b":")
-                    if field != b"data":
-                        raise self._malformed(path, pending)
-                    data.append(value[1:] if value.startswith(b" ") else value)
-                yield event or "message", self._decode(b"\n".join(data), path)
+            yield from resp.iter_bytes()
         except httpx.TimeoutException:
             raise StreamBroken(
                 f"the server at {self.base_url}{path} sent nothing for {self.read_timeout:g} s "
@@ -372,11 +417,19 @@ class RemoteClient:
             raise self._malformed(path, b"data: " + data) from None
 
     def _malformed(self, path: str, line: bytes) -> StreamBroken:
-        text = _shorten(line.decode("utf-8", "replace"), 200)
+        text = self._quote(line.decode("utf-8", "replace"), 200)
         return StreamBroken(
             f"the server at {self.base_url}{path} sent a malformed event-stream line: {text!r}; "
             f"it is not an OpenAI-compatible server, or {self.group}.base_url is wrong"
         )
+
+    def _redact(self, text: str) -> str:
+        """Server text for an error message never shows our key (some servers echo it)."""
+        key = self._key.reveal()
+        return text.replace(key, "***") if key else text
+
+    def _quote(self, text: str, limit: int = SHOWN_CHARS) -> str:
+        return _shorten(self._redact(text), limit)
 
     def _transport_error(self, exc: Exception, url: str) -> RemoteError:
         httpx = self._httpx
@@ -394,14 +447,15 @@ class RemoteClient:
                 f"({self.group}.read_timeout); raise it for slow servers or long prompts"
             )
         if isinstance(exc, httpx.ConnectError):
+            example = f" (e.g. {self.start_hint})" if self.start_hint else ""
             return RemoteError(
-                f"no server at {self.base_url} ({exc}): start it (e.g. llama-server -m model.gguf "
-                f"--port 8080) or fix {self.group}.base_url"
+                f"no server at {self.base_url} ({exc}): is the server running? Start it{example} "
+                f"or fix {self.group}.base_url"
             )
         return RemoteError(f"the connection to {url} failed: {type(exc).__name__}: {exc}")
 
     def _status_error(self, resp: Any, url: str, api: str, hint_404: str, *, attempts: int) -> RemoteError:
-        status, detail = resp.status_code, _server_detail(resp.content)
+        status, detail = resp.status_code, _server_detail(self._redact(resp.text))
         said = f"HTTP {status}: {detail}" if detail else f"HTTP {status}"
         g = self.group
         if status in (401, 403):
@@ -427,7 +481,8 @@ class RemoteClient:
             text = f"the server at {url} rejected the request ({said})"
             if "chat_template_kwargs" in detail:
                 text += f"; this server takes no chat_template_kwargs: set {g}.chat_template_kwargs=null"
-        return RemoteError(text, status=status, detail=detail)
+        refused = status in (401, 403, 404)
+        return (RemoteRefused if refused else RemoteError)(text, status=status, detail=detail)
 
 
 class RemoteLLM(Node):
@@ -470,9 +525,6 @@ class RemoteLLM(Node):
         max_retries: int = 2,
     ) -> None:
         _check(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
-        _check(connect_timeout > 0, "connect_timeout", connect_timeout, "seconds > 0")
-        _check(read_timeout > 0, "read_timeout", read_timeout, "seconds > 0")
-        _check(0 <= max_retries <= 10, "max_retries", max_retries, "0 to 10")
         _check(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
         _check(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
         _check(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
@@ -492,6 +544,7 @@ class RemoteLLM(Node):
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_retries=max_retries,
+            start_hint="llama-server -m model.gguf --port 8080",
         )
         self.conversation = Conversation(system_prompt, max_history_turns)
         self._stale_below = -(2**62)  # turns below this were interrupted

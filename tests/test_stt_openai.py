@@ -137,7 +137,7 @@ def test_a_500_is_retried_and_the_next_answer_is_used(tmp_path):
 def test_retries_are_bounded(tmp_path):
     with http_server(lambda req: Reply(502, "bad gateway")) as server:
         stt = make(tmp_path, base_url=f"{server.url}/v1", max_retries=1)
-        with pytest.raises(TranscriptionFailed, match=r"502 after 2 attempt\(s\)"):
+        with pytest.raises(TranscriptionFailed, match=r"HTTP 502: bad gateway\) on 2 attempts"):
             list(stt.process("audio", speech()))
     assert len(server.requests) == 2
 
