@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+from nodes._playback import truncate_to_heard
 from nodes.llm._conversation import Conversation, Exchange, reply_deltas
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message, TextDelta
@@ -630,6 +631,7 @@ class RemoteLLM(Node):
         if user is None:
             return
         self._answered = (msg.turn, port)
+        truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
         exchange: Exchange = self.conversation.add_user(user, msg.turn)
         yield from reply_deltas(
             self._reply(msg.turn), turn=msg.turn, conversation=self.conversation, exchange=exchange,

@@ -75,6 +75,23 @@ def _list_recipes(argv: list[str]) -> str:
     return "\n".join(lines) if lines else "no recipes found"
 
 
+def _list_devices(argv: list[str]) -> str:
+    """``s2s-run --list-devices [io=...]``: the sound devices, as the io source lists them (io=mic
+    by default); the class is reached through its ``_target_``, so the engine imports no node."""
+    from s2s_flow.graph import load_class
+
+    overrides = [a for a in argv if a != "--list-devices"]
+    if not any(a.startswith("io=") for a in overrides):
+        overrides.append("io=mic")
+    cfg, choices = compose(overrides)
+    cls = load_class(str(OmegaConf.select(cfg, "io.source._target_")), "io.source")
+    lister = getattr(cls, "list_devices", None)
+    if lister is None:
+        raise ConfigError(f"io={choices.get('io')} has no sound devices to list; use s2s-run --list-devices "
+                          "(io=mic)")
+    return lister()
+
+
 def _is_plain(argv: list[str]) -> bool:
     return all(not a.startswith("-") for a in argv)
 
@@ -148,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(chatty).setLevel(logging.WARNING)
     if "--list-recipes" in argv:
         print(_list_recipes(argv))
+        return
+    if "--list-devices" in argv:
+        try:
+            print(_list_devices(argv))
+        except S2SError as exc:
+            _fail(exc)
         return
     if _is_plain(argv):
         try:

@@ -44,6 +44,7 @@ class Context:
         interrupt: Callable[[int, str], None] | None = None,
         stopping: threading.Event | None = None,
         progress: Callable[[str], None] | None = None,
+        shared: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.run_dir = run_dir
@@ -54,6 +55,9 @@ class Context:
         self._interrupt = interrupt
         self.stopping = stopping or threading.Event()
         self._progress = progress
+        #: one dict for every node of a run: state nodes must share (e.g. what the speaker
+        #: really played, read by the LLM to keep only what was heard after a barge-in)
+        self.shared: dict[str, Any] = {} if shared is None else shared
 
     @property
     def epoch(self) -> int:

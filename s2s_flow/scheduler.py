@@ -83,10 +83,12 @@ class Scheduler:
         self._closed: set[str] = set()
         self._progress: dict[str, str] = {}
         self._runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
+        shared: dict[str, Any] = {}
         for run in self._runs.values():
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,
-                                   progress=lambda text, n=run.name: self._set_progress(n, text))
+                                   progress=lambda text, n=run.name: self._set_progress(n, text),
+                                   shared=shared)
             run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
 
     # -- control -----------------------------------------------------------------------

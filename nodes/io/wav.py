@@ -9,8 +9,6 @@ everything already produced.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nodes.io._transcript import TranscriptFile, TurnText, check_output_dir
 from s2s_flow.audio import resample, to_mono
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, TextDelta, Transcript
@@ -115,10 +114,7 @@ class WavSource(Node):
 
 
 @dataclass
-class _Turn:
-    user: str | None = None
-    agent: list[str] = field(default_factory=list)
-    agent_done: bool = False
+class _Turn(TurnText):
     audio: list[np.ndarray] = field(default_factory=list)
     audio_done: bool = False
     first_audio_t: float | None = None
@@ -134,32 +130,18 @@ class WavSink(Node):
 
     def __init__(self, *, output_dir: str | None = None, rate: int | None = None):
         self.output_dir, self.rate = output_dir, rate
-        if output_dir is not None:
-            out = Path(output_dir).expanduser()
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(f"io.output_dir={output_dir}: cannot create it ({exc.strerror}); "
-                                  "choose a writable directory") from None
-            if not os.access(out, os.W_OK):
-                raise ConfigError(f"io.output_dir={output_dir} is not writable; choose a writable directory")
+        check_output_dir(output_dir)
         self._turns: dict[int, _Turn] = {}
         self._stale_before = 0
-        self._rows = None
+        self._rows: TranscriptFile | None = None
 
     def setup(self) -> None:
         self.dir = Path(self.output_dir).expanduser() if self.output_dir else self.ctx.run_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._rows = open(self.dir / "transcript.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._rows = TranscriptFile(self.dir)
 
     def process(self, port: str, msg: Message) -> None:
         turn = self._turns.setdefault(msg.turn, _Turn())
-        if isinstance(msg, Transcript) and msg.final:
-            turn.user = msg.text
-        elif isinstance(msg, TextDelta):
-            turn.agent.append(msg.text)
-            turn.agent_done |= msg.end
-        elif isinstance(msg, AudioOut):
+        if isinstance(msg, AudioOut):
             if len(msg.pcm):
                 if turn.first_audio_t is None:
                     turn.first_audio_t = time.monotonic()
@@ -167,6 +149,8 @@ class WavSink(Node):
                 turn.audio.append(pcm)
                 self.rate = self.rate or msg.rate
             turn.audio_done |= msg.end
+        else:
+            turn.note(msg)
         self._write_ready()
 
     def _complete(self, turn: _Turn) -> bool:
@@ -190,12 +174,11 @@ class WavSink(Node):
             path.parent.mkdir(parents=True, exist_ok=True)
             sf.write(str(path), np.concatenate(turn.audio), self.rate, subtype="PCM_16")
             wav = str(path.relative_to(self.dir))
-        row = {"conversation": conv, "turn": n, "user": turn.user, "agent": "".join(turn.agent).strip(),
+        row = {"conversation": conv, "turn": n, "user": turn.user, "agent": turn.reply,
                "reply_wav": wav, "reply_audio_s": round(sum(map(len, turn.audio)) / (self.rate or 1), 3),
                "interrupted": turn.interrupted}
         assert self._rows is not None
-        self._rows.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._rows.flush()
+        self._rows.write(row)
 
     def on_interrupt(self, turn: int) -> None:
         self._stale_before = turn  # written as interrupted when the sink next runs

@@ -11,6 +11,7 @@ import time
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, ClassVar
 
+from nodes._playback import truncate_to_heard
 from nodes._remote import RemoteLLM
 from nodes.llm._conversation import Conversation, Exchange, reply_deltas
 from s2s_flow.errors import ConfigError
@@ -125,6 +126,7 @@ class LocalLLM(Node):
         if not text.strip():
             self.ctx.log.info("turn %d: empty transcript, no reply", msg.turn)
             return
+        truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
         exchange: Exchange = self.conversation.add_user(text, msg.turn)
         yield from reply_deltas(
             self._reply(msg.turn), turn=msg.turn, conversation=self.conversation, exchange=exchange,

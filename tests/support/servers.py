@@ -91,7 +91,7 @@ def running_llama_server(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             try:
                 base_url = f"http://127.0.0.1:{port}"
@@ -147,7 +147,7 @@ def _read_tail(log, lines: int = 30) -> str:
     return "\n".join(log.read().splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 

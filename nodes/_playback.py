@@ -1,0 +1,89 @@
+"""What the listener really heard: a record shared by the nodes of one run.
+
+The speaker sink writes it (the text of each reply as far as it was played before a
+barge-in, and until when the agent is audible); the microphone's echo guard reads the
+second, and an LLM backend reads the first to cut its history to what was heard::
+
+    truncate_to_heard(self.ctx, self.conversation)   # in an LLM's process(), before add_user
+
+The record lives in the run-wide ``ctx.shared`` dict, so every node of a run sees the same one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol
+
+from s2s_flow.node import Context
+
+__all__ = ["Playback", "playback_of", "truncate_to_heard"]
+
+
+class Playback:
+    """Thread-safe: written by the speaker's playback thread and the sink, read by other nodes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._heard: dict[int, str] = {}
+        self._started: dict[int, float] = {}
+        self._audible_until = 0.0
+        self.cuts: list[dict[str, Any]] = []  # one per interrupted reply: turn, t, heard, played_s
+
+    def started(self, turn: int, t: float) -> None:
+        """The first audio of ``turn``'s reply went to the device at ``t`` (kept once)."""
+        with self._lock:
+            self._started.setdefault(turn, t)
+
+    def started_at(self, turn: int) -> float | None:
+        with self._lock:
+            return self._started.get(turn)
+
+    def set_heard(self, turn: int, text: str, *, played_s: float, t: float) -> None:
+        """A barge-in cut ``turn``'s reply: ``text`` is what was played of it."""
+        with self._lock:
+            self._heard[turn] = text
+            self.cuts.append({"turn": turn, "t": t, "heard": text, "played_s": round(played_s, 3)})
+
+    def heard(self, turn: int) -> str | None:
+        """What was heard of ``turn``'s reply if a barge-in cut it; None if it was not cut."""
+        with self._lock:
+            return self._heard.get(turn)
+
+    def set_audible_until(self, t: float) -> None:
+        with self._lock:
+            self._audible_until = max(self._audible_until, t)
+
+    def audible(self, now: float | None = None) -> bool:
+        """Whether the agent's voice may be in the room now (echo guard)."""
+        return (time.monotonic() if now is None else now) < self._audible_until
+
+
+_LOCK = threading.Lock()
+
+
+def playback_of(ctx: Context) -> Playback:
+    """The run's record: every node of one scheduler run gets the same object."""
+    with _LOCK:
+        return ctx.shared.setdefault("playback", Playback())
+
+
+class _Conversation(Protocol):
+    exchanges: list[Any]
+
+    def truncate_last_reply(self, text: str) -> None: ...
+
+
+def truncate_to_heard(ctx: Context, conversation: _Conversation) -> bool:
+    """Cut the last reply of ``conversation`` to what the user heard, if a barge-in cut it.
+
+    Call it when a new user turn arrives, before adding it: by then the reply was recorded
+    as produced, and the speaker has reported how much of it was played. True if cut.
+    """
+    if not conversation.exchanges:
+        return False
+    heard = playback_of(ctx).heard(conversation.exchanges[-1].turn)
+    if heard is None:
+        return False
+    conversation.truncate_last_reply(heard)
+    return True
