@@ -213,6 +213,7 @@ class SileroVAD(Node):
 
         if prob >= self.threshold:
             self._temp_end = None
+            self._last_voiced = pos
         elif prob < self._neg_threshold and self._temp_end is None:
             self._temp_end = pos  # silence begins here; the hangover starts counting
         if self._temp_end is not None and end - self._temp_end >= self._min_silence:
@@ -230,6 +231,7 @@ class SileroVAD(Node):
     def _confirm(self) -> SpeechStarted:
         self._phase = _SPEECH
         self._temp_end = None
+        self._last_voiced = None
         self.turn += 1
         start = max(self._utt_start, self._speech_start - self._pad)
         return SpeechStarted(turn=self.turn, start=start / self.sample_rate)
@@ -249,7 +251,10 @@ class SileroVAD(Node):
             rate=self.sample_rate,
             start=start / self.sample_rate,
             end=end / self.sample_rate,
-            speech_end_t=t - (chunk_end - speech_end) / self.sample_rate,
+            # Silero's probability lags the sound by about a window and decays over one or two
+            # more, so the start of the last window that was still speech is the best estimate
+            # of the true end (tests/test_metrics_speech.py: within one window of the truth).
+            speech_end_t=t - (chunk_end - min(speech_end, self._last_voiced or speech_end)) / self.sample_rate,
         )
 
     def _tail_windows(self) -> deque:
@@ -265,3 +270,4 @@ class SileroVAD(Node):
         self._utt_start = 0
         self._speech_start = 0
         self._temp_end: int | None = None
+        self._last_voiced: int | None = None  # start of the last window that was speech
