@@ -130,6 +130,17 @@ class Ring:
         self.puts = self.drops = self.high_water = 0
         self.blocked_s = 0.0
 
+    def _wait_for_room(self) -> None:
+        """With the lock held: wait until the ring has room or is closed; count the time."""
+        t0 = time.perf_counter()
+        self._blocked_waiters += 1
+        try:
+            while len(self._items) >= self.capacity and not self._closed:
+                self._not_full.wait()
+        finally:
+            self._blocked_waiters -= 1
+        self.blocked_s += time.perf_counter() - t0
+
     def put(self, item: Any) -> bool:
         """Add an item; returns False when the policy dropped something (this or the oldest)."""
         with self._lock:
@@ -138,14 +149,7 @@ class Ring:
             kept = True
             if len(self._items) >= self.capacity:
                 if self.policy == "block":
-                    t0 = time.perf_counter()
-                    self._blocked_waiters += 1
-                    try:
-                        while len(self._items) >= self.capacity and not self._closed:
-                            self._not_full.wait()
-                    finally:
-                        self._blocked_waiters -= 1
-                    self.blocked_s += time.perf_counter() - t0
+                    self._wait_for_room()
                     if self._closed:
                         raise RingClosed(self.name)
                 elif self.policy == "drop_oldest":
@@ -178,14 +182,7 @@ class Ring:
         while i < n:
             with self._lock:
                 if len(self._items) >= self.capacity and not self._closed:
-                    t0 = time.perf_counter()
-                    self._blocked_waiters += 1
-                    try:
-                        while len(self._items) >= self.capacity and not self._closed:
-                            self._not_full.wait()
-                    finally:
-                        self._blocked_waiters -= 1
-                    self.blocked_s += time.perf_counter() - t0
+                    self._wait_for_room()
                 if self._closed:
                     raise RingClosed(self.name)
                 take = min(n - i, self.capacity - len(self._items))
