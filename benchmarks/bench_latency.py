@@ -4,16 +4,19 @@ Run: python benchmarks/bench_latency.py [--repeat 3] [--out DIR] [override ...]
      (default stack: recipe=local_cpu; e.g. add tts=espeak or stt=whisper stt.model=base.en)
 
 1. The engine: ``s2s-run recipe=local_cpu bench=latency`` -- the 12 spoken prompts of
-   conf/bench/latency.yaml played in real time, ``--repeat`` times; metrics.json gives
-   voice-to-voice p50/p95 (warm-up turn excluded) and the critical path per turn.
+   conf/bench/latency.yaml played in real time; metrics.json gives voice-to-voice and the
+   critical path per turn (the warm-up turn of each run excluded).
 2. The same stages alone, one after another on an otherwise idle process, on the same
    prompts: Silero's hangover (the audio it waits for, plus its compute), Whisper on the
    VAD's utterance, the LLM's time to its first sentence on Whisper's transcript, Piper's
    time to first audio on that sentence. The LLM runs greedy (temperature 0) in both, so
    both see the same text.
-3. Engine overhead = engine voice-to-voice / sum of the stages alone - 1, per prompt and
-   overall (budget: 5 %), and the engine's own hand-over time (ring waits on the critical
+3. Engine overhead = engine voice-to-voice / sum of the stages alone - 1, paired by prompt
+   and round (budget: 5 %), and the engine's own hand-over time (ring waits on the critical
    path), which is the part no stage accounts for.
+
+The two alternate ``--repeat`` rounds, so both see about the same background load; the
+machine's load average is printed: on a shared machine the figures include other work.
 """
 
 from __future__ import annotations
@@ -182,50 +185,52 @@ def run_alone(overrides: list[str], out: Path, repeat: int) -> dict[str, list[di
 
 # -- 3. the comparison ---------------------------------------------------------------------
 
+ENGINE_KEYS = ("voice_to_voice_ms", "stage_vad_ms", "stage_stt_ms", "stage_llm_ms", "stage_tts_ms", "ring_wait_ms",
+               "llm_first_token_ms")
+
 
 def prompt_of(conversation: str) -> str:
     return re.sub(r"_\d+$", "", conversation)  # WavSource names repeats p, p_2, p_3
 
 
-def compare(engine: dict[str, Any], alone: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    measured = [t for t in engine["turns"] if not t["warmup"] and t["voice_to_voice_ms"] is not None]
-    by_prompt: dict[str, list[dict[str, Any]]] = {}
-    for t in measured:
-        by_prompt.setdefault(prompt_of(t["conversation"]), []).append(t)
+def compare(engine: list[dict[str, Any]], alone: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pairs each measured engine turn with the same prompt alone in the same round (close in
+    time: the same background load, as far as possible)."""
+    solo = {(r["round"], r["prompt"]): r for r in alone if not r["warmup"]}
+    pairs = [(t, solo[(t["round"], prompt_of(t["conversation"]))]) for t in engine
+             if (t["round"], prompt_of(t["conversation"])) in solo]
+    ratios = [t["voice_to_voice_ms"] / a["sum"] - 1 for t, a in pairs]
     rows = []
-    for prompt, turns in sorted(by_prompt.items()):
-        solo = [r for r in alone.get(prompt, []) if not r["warmup"]]
-        if not solo:
-            continue
-        e = {k: median(t[k] for t in turns) for k in ("voice_to_voice_ms", "stage_vad_ms", "stage_stt_ms",
-                                                      "stage_llm_ms", "stage_tts_ms", "ring_wait_ms")}
-        a = {k: median(r[k] for r in solo) for k in ("vad", "stt", "llm", "tts", "sum")}
+    for prompt in sorted({prompt_of(t["conversation"]) for t, _ in pairs}):
+        mine = [(t, a) for t, a in pairs if prompt_of(t["conversation"]) == prompt]
+        e = {k: median(t[k] for t, _ in mine) for k in ENGINE_KEYS}
+        a = {k: median(x[k] for _, x in mine) for k in ("vad", "stt", "llm", "tts", "sum")}
         rows.append({"prompt": prompt, "engine": e, "alone": a,
-                     "overhead": e["voice_to_voice_ms"] / a["sum"] - 1})
-    total_e = sum(r["engine"]["voice_to_voice_ms"] for r in rows)
-    total_a = sum(r["alone"]["sum"] for r in rows)
-    return {"rows": rows, "overhead_total": total_e / total_a - 1 if total_a else float("nan"),
-            "overhead_median": median(r["overhead"] for r in rows) if rows else float("nan")}
+                     "overhead": median(t["voice_to_voice_ms"] / x["sum"] - 1 for t, x in mine)})
+    total_e = sum(t["voice_to_voice_ms"] for t, _ in pairs)
+    total_a = sum(a["sum"] for _, a in pairs)
+    return {"pairs": len(pairs), "rows": rows, "overhead_total": total_e / total_a - 1 if total_a else float("nan"),
+            "overhead_median": median(ratios) if ratios else float("nan")}
 
 
-def report(engine: dict[str, Any], alone: dict[str, list[dict[str, Any]]], cmp: dict[str, Any]) -> None:
-    s = engine["summary"]
-    w = engine["warmup"] or {}
+def report(engine: list[dict[str, Any]], warmups: list[dict[str, Any]], drops: int,
+           alone: list[dict[str, Any]], cmp: dict[str, Any]) -> None:
     print("\n== engine (real-time playback of the corpus) ==")
-    print(f"turns measured: {engine['measured_turns']} (warm-up turn {engine['warmup_turn']} apart: "
-          f"voice-to-voice {w.get('voice_to_voice_ms')} ms); drops: {engine['drops_total']}")
+    print(f"turns measured: {len(engine)} (warm-up turns apart, voice-to-voice "
+          f"{', '.join(str(w.get('voice_to_voice_ms')) for w in warmups)} ms); drops: {drops}")
     for key, label in (("voice_to_voice_ms", "voice-to-voice"), ("stage_vad_ms", "  VAD hangover"),
                        ("stage_stt_ms", "  STT"), ("stage_llm_ms", "  LLM first sentence"),
                        ("stage_tts_ms", "  TTS first audio"), ("ring_wait_ms", "  ring waits (engine)"),
                        ("llm_first_token_ms", "LLM first token (from end of speech)")):
-        print(f"{label:<38} p50 {s[key]['p50']!s:>7} ms   p95 {s[key]['p95']!s:>7} ms   max {s[key]['max']!s:>7} ms")
-    solo = [r for rows in alone.values() for r in rows if not r["warmup"]]
-    print("\n== the same stages alone (same prompts, same repetitions) ==")
+        xs = [t[key] for t in engine if t[key] is not None]
+        print(f"{label:<38} p50 {pct(xs, 50):8.1f} ms   p95 {pct(xs, 95):8.1f} ms   max {max(xs):8.1f} ms")
+    solo = [r for r in alone if not r["warmup"]]
+    print("\n== the same stages alone (same prompts, same rounds) ==")
     for key, label in (("sum", "sum of stages"), ("vad", "  VAD hangover"), ("stt", "  STT"),
                        ("llm", "  LLM first sentence"), ("tts", "  TTS first audio")):
         xs = [r[key] for r in solo]
-        print(f"{label:<38} p50 {pct(xs, 50):7.1f} ms   p95 {pct(xs, 95):7.1f} ms")
-    print("\n== per prompt (medians, ms) ==")
+        print(f"{label:<38} p50 {pct(xs, 50):8.1f} ms   p95 {pct(xs, 95):8.1f} ms")
+    print("\n== per prompt (medians over rounds, ms) ==")
     print(f"{'prompt':<32} {'engine v2v':>10} {'alone sum':>10} {'overhead':>9} {'rings':>6}"
           f"   engine stt/llm/tts vs alone")
     for r in cmp["rows"]:
@@ -233,42 +238,46 @@ def report(engine: dict[str, Any], alone: dict[str, list[dict[str, Any]]], cmp: 
         print(f"{r['prompt']:<32} {e['voice_to_voice_ms']:10.0f} {a['sum']:10.0f} {r['overhead'] * 100:8.1f}% "
               f"{e['ring_wait_ms']:6.1f}   {e['stage_stt_ms']:.0f}/{e['stage_llm_ms']:.0f}/{e['stage_tts_ms']:.0f}"
               f" vs {a['stt']:.0f}/{a['llm']:.0f}/{a['tts']:.0f}")
-    ok = cmp["overhead_total"] <= BUDGET
-    print(f"\nengine overhead over the sum of the stages alone: {cmp['overhead_total'] * 100:.1f} % overall, "
-          f"{cmp['overhead_median'] * 100:.1f} % median per prompt (budget {BUDGET * 100:.0f} %: "
-          f"{'within' if ok else 'OVER'})")
-    rings = s["ring_wait_ms"]
-    print(f"engine hand-overs on the critical path (ring waits): p50 {rings['p50']} ms, p95 {rings['p95']} ms, "
-          f"{rings['p50'] / s['voice_to_voice_ms']['p50'] * 100:.2f} % of voice-to-voice p50")
+    ok = cmp["overhead_median"] <= BUDGET
+    print(f"\nengine voice-to-voice over the sum of the stages alone ({cmp['pairs']} pairs): "
+          f"{cmp['overhead_median'] * 100:.1f} % median, {cmp['overhead_total'] * 100:.1f} % in total "
+          f"(budget {BUDGET * 100:.0f} %: {'within' if ok else 'OVER'})")
+    rings = [t["ring_wait_ms"] for t in engine if t["ring_wait_ms"] is not None]
+    v2v = [t["voice_to_voice_ms"] for t in engine]
+    print(f"engine hand-overs on the critical path (ring waits): p50 {pct(rings, 50):.1f} ms, p95 {pct(rings, 95):.1f}"
+          f" ms; {sum(rings) / sum(v2v) * 100:.2f} % of all voice-to-voice time")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeat", type=int, default=3, help="times the corpus is played (default 3)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds: corpus played in the engine, then alone")
     ap.add_argument("--out", type=Path, default=Path("outputs") / "bench_latency" / time.strftime("%Y%m%d-%H%M%S"))
-    ap.add_argument("--skip-engine", action="store_true", help="reuse OUT/engine/metrics.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides after the defaults below")
     args = ap.parse_args()
     port = free_port()  # our own llama-server: never one another process is loading
-    overrides = ["recipe=local_cpu", "bench=latency", f"bench.repeat={args.repeat}", "llm.temperature=0",
+    overrides = ["recipe=local_cpu", "bench=latency", "bench.repeat=1", "llm.temperature=0",
                  f"llm.base_url=http://127.0.0.1:{port}/v1", "metrics.timeline=true", *args.overrides]
-    engine_dir = args.out / "engine"
-    loads = [f"before: {load()}"]
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         print(f"warning: the machine is busy ({load()}): the figures will include other work", file=sys.stderr)
-    if args.skip_engine:
-        engine = json.loads((engine_dir / "metrics.json").read_text())
-    else:
-        engine = run_engine(overrides, engine_dir)
-        loads.append(f"after the engine run: {load()}")
-    alone = run_alone(overrides, args.out / "alone", args.repeat)
-    loads.append(f"after the stages alone: {load()}")
+    engine: list[dict[str, Any]] = []
+    warmups: list[dict[str, Any]] = []
+    alone: list[dict[str, Any]] = []
+    drops, loads = 0, [f"before: {load()}"]
+    for r in range(args.repeat):  # rounds alternate, so both sides see about the same background load
+        metrics = run_engine(overrides, args.out / f"engine_{r}")
+        engine += [{**t, "round": r} for t in metrics["turns"] if not t["warmup"] and t["voice_to_voice_ms"]]
+        warmups.append(metrics["warmup"] or {})
+        drops += metrics["drops_total"]
+        loads.append(f"round {r}, after the engine: {load()}")
+        for prompt, rows in run_alone(overrides, args.out / f"alone_{r}", 1).items():
+            alone += [{**row, "prompt": prompt, "round": r} for row in rows]
+        loads.append(f"round {r}, after the stages alone: {load()}")
     cmp = compare(engine, alone)
-    (args.out / "bench_latency.json").write_text(json.dumps({"overrides": overrides, "alone": alone,
-                                                             "comparison": cmp, "load": loads}, indent=1))
-    report(engine, alone, cmp)
+    (args.out / "bench_latency.json").write_text(json.dumps(
+        {"overrides": overrides, "engine": engine, "alone": alone, "comparison": cmp, "load": loads}, indent=1))
+    report(engine, warmups, drops, alone, cmp)
     print("\n" + "\n".join(loads))
-    print(f"\nresults: {args.out} (engine/metrics.json, engine/timeline.png, bench_latency.json)")
+    print(f"\nresults: {args.out} (engine_*/metrics.json and timeline.png, bench_latency.json)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from s2s_flow.errors import ConfigError
+from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message
 from s2s_flow.node import Node
 
@@ -89,7 +89,15 @@ def _spec(name: str, path: str, cfg: Any, choices: dict[str, str]) -> NodeSpec |
     target = cfg.get("_target_")
     if target is None:
         return None
-    params = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        params = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # a resolver failed: report its own answer, not OmegaConf's wrapper
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, S2SError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(f"{path}: cannot resolve its values ({exc})") from None
     assert isinstance(params, dict)
     params = {k: v for k, v in params.items() if not str(k).startswith("_")}
     group = path.split(".")[0]
@@ -99,7 +107,11 @@ def _spec(name: str, path: str, cfg: Any, choices: dict[str, str]) -> NodeSpec |
 def _ring_for(edge: Edge, producer: type[Node], rings_cfg: Any) -> None:
     capacity, policy = producer.port_rings.get(edge.src_port, edge.type.ring)
     override = rings_cfg.get(edge.dst, {}).get(edge.dst_port, {}) if rings_cfg else {}
-    edge.capacity = int(override.get("capacity", capacity))
+    try:
+        edge.capacity = int(override.get("capacity", capacity))
+    except (TypeError, ValueError):
+        raise ConfigError(f"rings.{edge.dst}.{edge.dst_port}.capacity={override.get('capacity')!r}: "
+                          "must be a whole number >= 1") from None
     edge.policy = str(override.get("policy", policy))
 
 

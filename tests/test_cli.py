@@ -58,6 +58,7 @@ def test_stt_none_with_an_llm_that_takes_no_audio_names_the_eligible_choice():
     ("io.input=/no/such.wav", "does not exist"),
     ("io.input=/etc/hostname", "is not a readable audio file"),
     ("+rings.stt.audio.policy=lifo", "choose one of block, drop_oldest, drop_newest"),
+    ("+rings.stt.audio.capacity=abc", "must be a whole number >= 1"),
     ("vad.sample_rate=8000", "sample rates disagree"),
     ("llm=", "is not a known llm option"),
     ("llm.base_url=https://api.example.com/v1", "no API key is set"),
