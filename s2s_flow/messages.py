@@ -33,12 +33,17 @@ class Message:
 
     #: Default ring for edges carrying this type: (capacity, policy).
     ring: ClassVar[tuple[int, str]] = (64, "block")
-    #: Whether marks() can return anything (lets the trace skip the call on the hot path).
+    #: Whether a message of this type can stand for a milestone (the trace asks only those).
     has_marks: ClassVar[bool] = False
 
-    def marks(self) -> dict[str, float]:
-        """Milestones this message stands for, as {name: monotonic time}; read by the trace."""
-        return {}
+    def mark(self) -> str | None:
+        """The milestone this message stands for (speech_end, token, audio ...), if any; read by
+        the trace, which keeps the first time each milestone passes in and out of every node."""
+        return None
+
+    def mark_time(self) -> float:
+        """When the milestone happened: by default, when the message was made."""
+        return self.t
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,8 +69,8 @@ class SpeechStarted(Message):
 
     has_marks: ClassVar[bool] = True
 
-    def marks(self) -> dict[str, float]:
-        return {"speech_started": self.t}
+    def mark(self) -> str:
+        return "speech_started"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,8 +91,11 @@ class Speech(Message):
 
     has_marks: ClassVar[bool] = True
 
-    def marks(self) -> dict[str, float]:
-        return {"speech_end": self.speech_end_t}
+    def mark(self) -> str:
+        return "speech_end"
+
+    def mark_time(self) -> float:
+        return self.speech_end_t
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,8 +108,8 @@ class Transcript(Message):
 
     has_marks: ClassVar[bool] = True
 
-    def marks(self) -> dict[str, float]:
-        return {"transcript_final": self.t} if self.final else {"transcript_partial": self.t}
+    def mark(self) -> str:
+        return "transcript_final" if self.final else "transcript_partial"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,10 +124,10 @@ class TextDelta(Message):
 
     has_marks: ClassVar[bool] = True
 
-    def marks(self) -> dict[str, float]:
+    def mark(self) -> str | None:
         if self.sentence_end:
-            return {"sentence": self.t}
-        return {"token": self.t} if self.text else {}
+            return "sentence"
+        return "token" if self.text else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,8 +143,8 @@ class AudioOut(Message):
 
     has_marks: ClassVar[bool] = True
 
-    def marks(self) -> dict[str, float]:
-        return {"audio": self.t} if len(self.pcm) else {}
+    def mark(self) -> str | None:
+        return "audio" if len(self.pcm) else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 No node measures itself. Stages are found by the messages they emit (``Speech``,
 ``Transcript``, ``TextDelta``, ``AudioOut``; a sink is a node without outputs) and their
-milestones by message marks (``Message.marks()``, recorded by the scheduler as
+milestones by message marks (``Message.mark()``, recorded by the scheduler as
 ``out:<mark>`` when a node emits and ``in:<mark>`` when one receives). Every latency is in
 milliseconds from the user's true end of speech (the ``speech_end`` mark: VAD stop minus its
 silence hangover); voice-to-voice ends when the first reply audio reaches a sink.

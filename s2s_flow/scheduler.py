@@ -17,6 +17,7 @@ turn, stale messages are flushed from every ring and dropped at every hop, and e
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -38,6 +39,7 @@ __all__ = ["Scheduler", "Stopped"]
 _STOP = object()  # control item: leave the loop now
 _now = time.monotonic
 BATCH_BUDGET_S = 0.001  # returned outputs wait at most this long for their batch to finish
+_Batch = tuple[Ring, list[Message], list[float]]  # what an inbox hands over per ring: items, put times
 
 
 class Stopped(S2SError):
@@ -58,15 +60,39 @@ class _Running:
         self.thread: threading.Thread | None = None
         self._ports = {typ: port for port, typ in spec.cls.outputs.items()}
 
-    def port_of(self, msg: Message) -> str:
-        port = self._ports.get(type(msg))
+    def port_for(self, typ: type) -> str:
+        """The output port a message of this type leaves by (checked once per type)."""
+        port = self._ports.get(typ)
         if port is None:
-            port = next((p for t, p in self._ports.items() if isinstance(msg, t)), None)
+            port = next((p for t, p in self._ports.items() if issubclass(typ, t)), None)
             if port is None:
-                raise TypeError(f"{self.spec.cls.__name__} yielded a {type(msg).__name__}, which none of "
+                raise TypeError(f"{self.spec.cls.__name__} yielded a {typ.__name__}, which none of "
                                 f"its outputs ({', '.join(self.spec.cls.outputs) or 'none'}) carries")
-            self._ports[type(msg)] = port
+            self._ports[typ] = port
         return port
+
+    def route(self, item: Any) -> tuple[str, Message]:
+        """A bare message goes out by its type; a ``(port, message)`` pair by the port it names."""
+        if type(item) is not tuple:
+            return self._ports.get(type(item)) or self.port_for(type(item)), item
+        port, msg = item
+        if port not in self.spec.cls.outputs:
+            raise TypeError(f"{self.spec.cls.__name__} yielded to port {port!r}; its outputs are "
+                            f"{', '.join(self.spec.cls.outputs) or 'none'}")
+        return port, msg
+
+    def by_port(self, batch: list[Any]) -> dict[str, list[Message]]:
+        """Group a batch of outputs per port, keeping their order (one port, one type: no copy)."""
+        types = set(map(type, batch))
+        if tuple not in types:
+            ports = {self.port_for(t) for t in types}
+            if len(ports) == 1:
+                return {ports.pop(): batch}
+        grouped: dict[str, list[Message]] = {}
+        for item in batch:
+            port, msg = self.route(item)
+            grouped.setdefault(port, []).append(msg)
+        return grouped
 
 
 class Scheduler:
@@ -140,6 +166,11 @@ class Scheduler:
         restore = self._install_signal_handlers()
         try:
             self._setup_all()
+            # Loading models leaves much garbage and many long-lived objects: collect it now,
+            # not during the first turn, and keep what setup built out of later collections,
+            # so a collection mid-conversation stays short.
+            gc.collect()
+            gc.freeze()
             source = self._driver()
             sessions = source.node.sessions() if source else [""]
             for i, name in enumerate(sessions):
@@ -149,6 +180,7 @@ class Scheduler:
             self._raise_if_failed()
             return self.trace
         finally:
+            gc.unfreeze()
             self._close_all()
             restore()
 
@@ -261,38 +293,41 @@ class Scheduler:
 
         Outputs a node *returns* are forwarded per batch, one lock per ring (within
         ``BATCH_BUDGET_S``); outputs it *yields* stream out one by one as they come, so a
-        streaming stage (LLM tokens, TTS sentences) is never held back.
+        streaming stage (LLM tokens, TTS sentences) is never held back. The trace records
+        whole batches: this loop is the engine's hot path.
         """
-        node, table, received, process = run.node, run.table, self.trace.received, run.node.process
-        pending: list[Message] = []
+        node, table, process, wait = run.node, run.table, run.node.process, run.inbox.wait
+        received = self.trace.received
+        pending: list[Any] = []
         try:
             while True:
-                control, data, done = run.inbox.wait()
+                control, data, done = wait()
                 if _STOP in control or self._stopped:
                     return
                 if done:
                     self._emit(run, node.finish())
                     return
                 now = started = _now()  # one clock read per batch: the batch arrived at once
-                for ring, items in data:
+                if self._epoch:
+                    data = self._fresh(data)
+                for ring, items, put_times in data:
+                    received(table, items, put_times, now)
                     port = ring.dst_port
-                    for t_put, msg in items:
+                    for msg in items:
                         if 0 < msg.turn < self._epoch:
-                            continue  # stale: an interrupt moved past its turn
-                        received(table, msg, now, now - t_put)
+                            continue  # stale: an interrupt moved past its turn while this batch ran
                         out = process(port, msg)
-                        if out is None:
-                            pass
-                        elif type(out) is GeneratorType:
-                            self._forward(run, pending)
-                            self._emit(run, out)
-                        elif isinstance(out, Message):
-                            pending.append(out)
-                        else:
-                            pending.extend(out)
-                        if pending and _now() - started > BATCH_BUDGET_S:
-                            self._forward(run, pending)
-                            started = _now()
+                        if out is not None:
+                            if type(out) is GeneratorType:
+                                self._forward(run, pending)
+                                self._emit(run, out)
+                            elif isinstance(out, Message):
+                                pending.append(out)
+                            else:
+                                pending.extend(out)
+                            if _now() - started > BATCH_BUDGET_S:
+                                self._forward(run, pending)
+                                started = _now()
                         if self._stopped:
                             return
                 self._forward(run, pending)
@@ -304,35 +339,40 @@ class Scheduler:
         finally:
             self._close_outputs(run)
 
-    def _forward(self, run: _Running, pending: list[Message]) -> None:
-        """Send collected outputs, grouped per output port, then clear the list."""
+    def _fresh(self, data: list[_Batch]) -> list[_Batch]:
+        """Drop the messages of turns an interrupt made stale."""
+        epoch, fresh = self._epoch, []
+        for ring, items, put_times in data:
+            kept = [(m, t) for m, t in zip(items, put_times, strict=True) if not 0 < m.turn < epoch]
+            if kept:
+                fresh.append((ring, [m for m, _ in kept], [t for _, t in kept]))
+        return fresh
+
+    def _forward(self, run: _Running, pending: list[Any]) -> None:
+        """Send collected outputs, one lock per output ring, then clear the list."""
         if not pending:
             return
-        if len(pending) == 1:  # the common live case: one message, no grouping needed
-            self._emit(run, pending)
-            pending.clear()
+        if len(pending) == 1:  # the common live case
+            port, msg = run.route(pending.pop())
+            if not 0 < msg.turn < self._epoch:
+                self.trace.emitted(run.table, [msg], _now())
+                for ring in run.outputs.get(port, ()):
+                    ring.put(msg)
             return
-        by_port: dict[str, list[Message]] = {}
-        table, emitted, ports, epoch = run.table, self.trace.emitted, run._ports, self._epoch
-        now = _now()
-        for msg in pending:
-            if type(msg) is tuple:
-                port, msg = msg
-            else:
-                port = ports.get(type(msg)) or run.port_of(msg)
-            if 0 < msg.turn < epoch:
-                continue
-            emitted(table, msg, now)
-            if port in by_port:
-                by_port[port].append(msg)
-            else:
-                by_port[port] = [msg]
+        grouped = run.by_port(pending[:])
         pending.clear()
-        for port, msgs in by_port.items():
+        epoch, now = self._epoch, _now()
+        for port, msgs in grouped.items():
+            if epoch:
+                msgs = [m for m in msgs if not 0 < m.turn < epoch]
+                if not msgs:
+                    continue
+            self.trace.emitted(run.table, msgs, now)
             for ring in run.outputs.get(port, ()):
                 ring.put_many(msgs)
 
     def _emit(self, run: _Running, out: Iterable[Any] | Message | None) -> None:
+        """Send outputs one by one as they are made (sources, streaming generators, finish())."""
         if out is None:
             return
         if isinstance(out, Message):
@@ -340,15 +380,14 @@ class Scheduler:
         table, emitted, outputs, ports = run.table, self.trace.emitted, run.outputs, run._ports
         for item in out:
             if type(item) is tuple:
-                port, msg = item
+                port, msg = run.route(item)
             else:
-                msg = item
-                port = ports.get(type(msg)) or run.port_of(msg)
+                msg, port = item, ports.get(type(item)) or run.port_for(type(item))
             if 0 < msg.turn < self._epoch or self._stopped:
                 if isinstance(out, Generator):
                     out.close()  # e.g. closes a streaming HTTP request of an interrupted turn
                 return
-            emitted(table, msg, _now())
+            emitted(table, [msg], _now())
             for ring in outputs.get(port, ()):
                 ring.put(msg)
 

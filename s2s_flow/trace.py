@@ -2,7 +2,7 @@
 
 For every (turn, node) the scheduler records when the first message arrived, when the
 first and last outputs left, how many went each way and how long messages waited in
-rings. Messages also name milestones (``Message.marks()``: speech_end, token, sentence,
+rings. Messages also name milestones (``Message.mark()``: speech_end, token, sentence,
 audio ...); the first time each milestone is seen, in or out of a node, is kept.
 Each node's record is written only by that node's thread, so no lock is needed, and
 memory grows with turns, not with messages.
@@ -11,12 +11,30 @@ memory grows with turns, not with messages.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import groupby
+from operator import attrgetter
 from typing import Any
 
 from s2s_flow.messages import Message
 
 __all__ = ["Trace", "NodeTurn"]
+
+_turn = attrgetter("turn")
+
+
+def _mixed(batch: list[Message], turn: int) -> bool:
+    return list(map(_turn, batch)).count(turn) != len(batch)
+
+
+def _runs(batch: list[Message]) -> Iterator[tuple[list[Message], slice]]:
+    """Split a batch into runs of consecutive messages of one turn."""
+    i = 0
+    for _, group in groupby(batch, key=_turn):
+        n = sum(1 for _ in group)
+        yield batch[i:i + n], slice(i, i + n)
+        i += n
 
 
 @dataclass(slots=True)
@@ -29,7 +47,14 @@ class NodeTurn:
     n_out: int = 0
     wait_s: float = 0.0  # total time inputs spent queued in rings
     wait_max_s: float = 0.0
-    marks: dict[str, float] = field(default_factory=dict)  # "in:audio" / "out:sentence" -> first time
+    marks_in: dict[str, float] = field(default_factory=dict)  # milestone -> first time it came in
+    marks_out: dict[str, float] = field(default_factory=dict)  # milestone -> when it happened, first out
+
+    @property
+    def marks(self) -> dict[str, float]:
+        """Both, as "in:audio" / "out:sentence" -> time."""
+        return {**{"in:" + k: t for k, t in self.marks_in.items()},
+                **{"out:" + k: t for k, t in self.marks_out.items()}}
 
 
 class Trace:
@@ -42,32 +67,56 @@ class Trace:
     def node(self, name: str) -> dict[int, NodeTurn]:
         return self.nodes.setdefault(name, {})
 
-    def received(self, table: dict[int, NodeTurn], msg: Message, now: float, waited: float) -> None:
-        rec = table.get(msg.turn)
+    # received() and emitted() are the engine's hot path: one record update per batch (per
+    # run of one turn in the rare mixed batch), sums taken in C, and only types that can
+    # stand for a milestone asked for one.
+
+    def received(self, table: dict[int, NodeTurn], batch: list[Message], put_times: list[float],
+                 now: float) -> None:
+        """A batch taken from one ring at ``now``, oldest first, with the time each was put."""
+        turn, n = batch[0].turn, len(batch)
+        if n > 1 and _mixed(batch, turn):
+            for run, span in _runs(batch):
+                self.received(table, run, put_times[span], now)
+            return
+        rec = table.get(turn)
         if rec is None:
-            rec = table[msg.turn] = NodeTurn(first_in=now)
+            rec = table[turn] = NodeTurn(first_in=now)
         elif rec.first_in is None:
             rec.first_in = now
         rec.last_in = now
-        rec.n_in += 1
-        rec.wait_s += waited
-        if waited > rec.wait_max_s:
-            rec.wait_max_s = waited
-        if msg.has_marks:
-            for name in msg.marks():
-                rec.marks.setdefault("in:" + name, now)
+        rec.n_in += n
+        oldest = now - put_times[0]
+        rec.wait_s += oldest if n == 1 else n * now - sum(put_times)
+        if oldest > rec.wait_max_s:
+            rec.wait_max_s = oldest
+        marks = rec.marks_in
+        for msg in batch:
+            if msg.has_marks:
+                name = msg.mark()
+                if name is not None and name not in marks:
+                    marks[name] = now
 
-    def emitted(self, table: dict[int, NodeTurn], msg: Message, now: float) -> None:
-        rec = table.get(msg.turn)
+    def emitted(self, table: dict[int, NodeTurn], batch: list[Message], now: float) -> None:
+        """Messages a node sent at ``now``, in order."""
+        turn, n = batch[0].turn, len(batch)
+        if n > 1 and _mixed(batch, turn):
+            for run, _ in _runs(batch):
+                self.emitted(table, run, now)
+            return
+        rec = table.get(turn)
         if rec is None:
-            rec = table[msg.turn] = NodeTurn(first_out=now)
+            rec = table[turn] = NodeTurn(first_out=now)
         elif rec.first_out is None:
             rec.first_out = now
         rec.last_out = now
-        rec.n_out += 1
-        if msg.has_marks:
-            for name, at in msg.marks().items():
-                rec.marks.setdefault("out:" + name, at)
+        rec.n_out += n
+        marks = rec.marks_out
+        for msg in batch:
+            if msg.has_marks:
+                name = msg.mark()
+                if name is not None and name not in marks:
+                    marks[name] = msg.mark_time()
 
     def event(self, kind: str, **fields: Any) -> None:
         self.events.append({"kind": kind, "t": time.monotonic(), **fields})
@@ -79,10 +128,11 @@ class Trace:
         """Times relative to the start of the run, in seconds."""
         def rel(rec: NodeTurn) -> dict[str, Any]:
             d = asdict(rec)
+            del d["marks_in"], d["marks_out"]
             for k in ("first_in", "last_in", "first_out", "last_out"):
                 if d[k] is not None:
                     d[k] = round(d[k] - self.t0, 6)
-            d["marks"] = {k: round(v - self.t0, 6) for k, v in rec.marks.items()}
+            d["marks"] = {k: round(v - self.t0, 6) for k, v in rec.marks.items()}  # the JSON keeps one dict
             return d
 
         return {

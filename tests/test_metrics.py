@@ -34,34 +34,34 @@ def play_turn(trace: Trace, turn: int, t: float, *, stt: bool = True, audio: boo
     """
     table = trace.node
     chunk = AudioChunk(pcm=PCM, rate=16000, t=t + 0.48)
-    trace.emitted(table("source"), chunk, t + 0.48)
-    trace.received(table("vad"), chunk, t + 0.481, 0.001)
-    trace.emitted(table("vad"), SpeechStarted(turn=turn, t=t - 1.0), t - 1.0)
+    trace.emitted(table("source"), [chunk], t + 0.48)
+    trace.received(table("vad"), [chunk], [t + 0.481 - 0.001], t + 0.481)
+    trace.emitted(table("vad"), [SpeechStarted(turn=turn, t=t - 1.0)], t - 1.0)
     speech = Speech(turn=turn, pcm=PCM, rate=16000, start=0.0, end=1.0, speech_end_t=t, t=t + 0.5)
-    trace.emitted(table("vad"), speech, t + 0.5)
+    trace.emitted(table("vad"), [speech], t + 0.5)
     upstream = speech
     at = t + 0.502
     if stt:
-        trace.received(table("stt"), speech, at, 0.002)
+        trace.received(table("stt"), [speech], [at - 0.002], at)
         upstream = Transcript(turn=turn, text="hello", t=t + 0.7)
-        trace.emitted(table("stt"), upstream, t + 0.7)
+        trace.emitted(table("stt"), [upstream], t + 0.7)
         at = t + 0.701
-    trace.received(table("llm"), upstream, at, 0.001)
+    trace.received(table("llm"), [upstream], [at - 0.001], at)
     token = TextDelta(turn=turn, text="Hi", t=at + 0.2)
     sentence = TextDelta(turn=turn, text=" there.", sentence_end=True, t=at + 0.3)
     end = TextDelta(turn=turn, text="", end=True, t=at + 0.35)
     for msg in (token, sentence, end):
-        trace.emitted(table("llm"), msg, msg.t)
-    trace.received(table("tts"), token, at + 0.201, 0.001)
-    trace.received(table("tts"), sentence, at + 0.303, 0.003)
-    trace.received(table("tts"), end, at + 0.45, 0.1)  # queued behind the synthesis
+        trace.emitted(table("llm"), [msg], msg.t)
+    trace.received(table("tts"), [token], [at + 0.201 - 0.001], at + 0.201)
+    trace.received(table("tts"), [sentence], [at + 0.303 - 0.003], at + 0.303)
+    trace.received(table("tts"), [end], [at + 0.45 - 0.1], at + 0.45)  # queued behind the synthesis
     if audio:
         out = AudioOut(turn=turn, pcm=PCM, rate=22050, t=at + 0.4)
-        trace.emitted(table("tts"), out, at + 0.4)
-        trace.received(table("sink"), out, at + 0.404, 0.004)
+        trace.emitted(table("tts"), [out], at + 0.4)
+        trace.received(table("sink"), [out], [at + 0.404 - 0.004], at + 0.404)
     done = AudioOut(turn=turn, pcm=np.zeros(0, np.float32), rate=22050, end=True, t=at + 0.46)
-    trace.emitted(table("tts"), done, at + 0.46)
-    trace.received(table("sink"), done, at + 0.461, 0.001)
+    trace.emitted(table("tts"), [done], at + 0.46)
+    trace.received(table("sink"), [done], [at + 0.461 - 0.001], at + 0.461)
 
 
 def synthetic_trace(turns: int = 1, **kw) -> Trace:
@@ -125,8 +125,8 @@ def test_stages_are_found_by_message_types_not_names():
 def test_a_partial_transcriber_beside_the_stt_does_not_shift_the_stt_stage():
     trace = synthetic_trace()
     speech = Speech(turn=1, pcm=PCM, rate=16000, start=0.0, end=1.0, speech_end_t=10.0, t=10.5)
-    trace.received(trace.node("partials"), speech, 10.5005, 0.0005)  # takes the Speech first
-    trace.emitted(trace.node("partials"), Transcript(turn=1, text="hel", final=False, t=10.55), 10.55)
+    trace.received(trace.node("partials"), [speech], [10.5005 - 0.0005], 10.5005)  # takes the Speech first
+    trace.emitted(trace.node("partials"), [Transcript(turn=1, text="hel", final=False, t=10.55)], 10.55)
     graph = graph_for("io=mic", "io.partials.interval_ms=500")
     rep = metrics.report(trace, {}, graph)
     assert rep["roles"]["stt"] == ["stt", "partials"]
@@ -147,7 +147,7 @@ def test_trace_json_gives_the_same_report_as_the_live_trace():
 def test_the_warm_up_turn_is_reported_alone_and_left_out_of_the_statistics():
     trace = synthetic_trace(turns=4)
     # make the warm-up turn slow: its first audio reaches the sink 2 s late
-    trace.node("sink")[1].marks["in:audio"] += 2.0
+    trace.node("sink")[1].marks_in["audio"] += 2.0
     rep = metrics.report(trace, {}, graph_for())
     assert rep["warmup_turn"] == 1 and rep["warmup_excluded"]
     assert rep["warmup"]["voice_to_voice_ms"] == pytest.approx(3105.0)
@@ -165,7 +165,7 @@ def test_a_single_turn_is_its_own_statistic():
 def test_percentiles_over_turns():
     trace = synthetic_trace(turns=11)
     for i in range(2, 12):  # measured turns: v2v = 1105 + 10*(i-2) ms
-        trace.node("sink")[i].marks["in:audio"] += 0.010 * (i - 2)
+        trace.node("sink")[i].marks_in["audio"] += 0.010 * (i - 2)
     s = metrics.report(trace, {}, graph_for())["summary"]["voice_to_voice_ms"]
     assert s["n"] == 10
     assert s["p50"] == pytest.approx(1150.0)

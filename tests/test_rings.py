@@ -150,10 +150,10 @@ def test_inbox_wakes_on_any_input_and_delivers_control_even_when_data_is_full():
     a.put("x")
     inbox.post_control("interrupt")
     control, data, done = inbox.wait(1)
-    assert control == ["interrupt"] and [m for _, items in data for _, m in items] == ["x"] and not done
+    assert control == ["interrupt"] and [m for _, items, _ in data for m in items] == ["x"] and not done
     threading.Timer(0.05, b.put, args=("y",)).start()
     control, data, done = inbox.wait(2)
-    assert [m for _, items in data for _, m in items] == ["y"]
+    assert [m for _, items, _ in data for m in items] == ["y"]
     a.close()
     b.close()
     assert inbox.wait(1)[2] is True

@@ -150,3 +150,52 @@ def test_sigint_and_sigterm_stop_a_running_graph_within_a_second(sig, tmp_path):
     out, err = proc.communicate(timeout=10)
     assert time.monotonic() - t0 < 1.0, err
     assert proc.returncode == 130 and f"stopped by {sig.name}" in out
+
+
+def test_returned_outputs_go_out_by_type_or_named_port_in_order(tmp_path):
+    s = Scheduler(validate(build_graph(OmegaConf.create({
+        "nodes": {"src": {"_target_": T + "CountSource", "n": 300, "turns": 3},
+                  "split": {"_target_": T + "Split"},
+                  "up": {"_target_": T + "Collect"},
+                  "len": {"_target_": T + "CollectTranscripts"}},
+        "edges": ["src.text -> split.text", "split.upper -> up.text", "split.length -> len.text"]}))), tmp_path)
+    s.run()
+    assert [m.text for m in node(s, "up").got] == [f":{i}" for i in range(300)]
+    assert [m.text for m in node(s, "len").got] == [str(len(f":{i}")) for i in range(300)]
+    table = s.trace.nodes["split"]
+    assert [table[t].n_in for t in (1, 2, 3)] == [100, 100, 100]
+    assert [table[t].n_out for t in (1, 2, 3)] == [200, 200, 200]
+
+
+def test_a_node_sending_to_a_port_it_does_not_have_fails_naming_it(tmp_path):
+    s = Scheduler(validate(build_graph(OmegaConf.create({
+        "nodes": {"src": {"_target_": T + "CountSource", "n": 5},
+                  "split": {"_target_": T + "Split", "bad_port": "lenght"},
+                  "up": {"_target_": T + "Collect"},
+                  "len": {"_target_": T + "CollectTranscripts"}},
+        "edges": ["src.text -> split.text", "split.upper -> up.text", "split.length -> len.text"]}))), tmp_path)
+    with pytest.raises(NodeFailed, match=r"node 'split' failed: TypeError: Split yielded to port 'lenght'; "
+                                         r"its outputs are upper, length"):
+        s.run()
+
+
+def test_the_trace_records_a_batch_per_turn_with_its_waits_and_first_marks():
+    from s2s_flow.messages import TextDelta
+    from s2s_flow.trace import Trace
+
+    trace, table = Trace(), {}
+    batch = [TextDelta(turn=1, text="a", t=1.0), TextDelta(turn=1, text="b.", sentence_end=True, t=1.1),
+             TextDelta(turn=2, text="c", t=1.2), TextDelta(turn=2, text="d", t=1.3),
+             TextDelta(turn=1, text="e", t=1.4)]
+    trace.received(table, batch, [9.0, 9.5, 9.6, 9.7, 9.8], 10.0)
+    one, two = table[1], table[2]
+    assert (one.n_in, two.n_in) == (3, 2)
+    assert one.wait_s == pytest.approx(1.0 + 0.5 + 0.2) and one.wait_max_s == pytest.approx(1.0)
+    assert two.wait_s == pytest.approx(0.4 + 0.3) and two.wait_max_s == pytest.approx(0.4)
+    assert one.marks == {"in:token": 10.0, "in:sentence": 10.0} and two.marks == {"in:token": 10.0}
+    trace.emitted(table, batch, 11.0)
+    assert one.marks["out:token"] == 1.0 and one.marks["out:sentence"] == 1.1 and two.marks["out:token"] == 1.2
+    assert (one.n_out, two.n_out, one.first_out, one.last_out) == (3, 2, 11.0, 11.0)
+    later = TextDelta(turn=1, text="f.", sentence_end=True, t=2.0)
+    trace.emitted(table, [later], 12.0)
+    assert one.marks["out:sentence"] == 1.1 and one.last_out == 12.0  # the first milestone is kept

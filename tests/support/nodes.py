@@ -136,3 +136,23 @@ class Streamer(Node):
 
     def on_interrupt(self, turn: int) -> None:
         self.interrupted.append(turn)
+
+
+class Split(Node):
+    """Returns (not yields) a list per input: the text to one port, its length to another,
+    or to a port it does not have (``bad_port``), as a node with a bug would."""
+
+    inputs = {"text": Transcript}
+    outputs = {"upper": TextDelta, "length": Transcript}
+
+    def __init__(self, *, bad_port: str = ""):
+        self.bad_port = bad_port
+
+    def process(self, port: str, msg: Message) -> list:
+        assert isinstance(msg, Transcript)
+        length = Transcript(turn=msg.turn, text=str(len(msg.text)))
+        return [TextDelta(turn=msg.turn, text=msg.text.upper()), (self.bad_port or "length", length)]
+
+
+class CollectTranscripts(Collect):
+    inputs = {"text": Transcript}
