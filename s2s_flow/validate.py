@@ -61,26 +61,46 @@ def _hint_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def _options(cls: type) -> tuple[dict[str, tuple[inspect.Parameter, Any]], bool]:
+    """The keyword options a node class takes, each with its type hint, and whether it takes any.
+
+    A class whose ``__init__`` forwards ``**options`` to ``super().__init__`` takes the
+    options of the next ``__init__`` up its MRO too, so a backend spells out only its own.
+    """
+    accepted: dict[str, tuple[inspect.Parameter, Any]] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass is object:  # **options that go no further are the class's own business
+            return accepted, cls.__init__ is not object.__init__
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # unresolvable annotations: skip type checks, keep key checks
+            hints = {}
+        params = inspect.signature(init).parameters.values()
+        for p in params:
+            if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+                accepted.setdefault(p.name, (p, hints.get(p.name, p.annotation)))
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return accepted, False
+    return accepted, True
+
+
 def check_params(cls: type, params: Mapping[str, Any], where: str) -> None:
     """Reject unknown keys (with a did-you-mean), missing required ones and wrong types."""
-    sig = inspect.signature(cls.__init__)
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # unresolvable annotations: skip type checks, keep key checks
-        hints = {}
-    accepted = {n: p for n, p in sig.parameters.items()
-                if n != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    options, takes_any = _options(cls)
+    accepted = {name: p for name, (p, _) in options.items()}
     for key, value in params.items():
         if key not in accepted:
             if takes_any:
                 continue
             close = difflib.get_close_matches(key, list(accepted), n=1)
             hint = f"did you mean {where}.{close[0]}?" if close else "it takes none"
-            options = ", ".join(sorted(accepted)) or "none"
+            options_list = ", ".join(sorted(accepted)) or "none"
             raise ConfigError(f"{where}.{key} is not an option of {cls.__name__}: {hint} "
-                              f"(options: {options})")
-        hint_t = hints.get(key, accepted[key].annotation)
+                              f"(options: {options_list})")
+        hint_t = options[key][1]
         if isinstance(hint_t, str):
             continue
         if not _type_ok(value, hint_t):

@@ -83,6 +83,32 @@ def test_unknown_node_parameters_get_a_did_you_mean():
         check_params(WavSink, {"outptu_dir": "x"}, "io.sink")
 
 
+def test_options_a_backend_forwards_to_its_base_class_are_checked_like_its_own():
+    from nodes.llm.chat import ChatCompletionsLLM
+    from nodes.llm.mlx import MLXLLM
+    from nodes.llm.transformers import TransformersLLM
+
+    check_params(ChatCompletionsLLM, {"base_url": "http://127.0.0.1:8080/v1", "keep_audio_turns": 2}, "llm")
+    with pytest.raises(ConfigError, match=r"llm.base_ulr is not an option of ChatCompletionsLLM: did you mean "
+                                          r"llm.base_url\?.*audio_content_type.*max_retries"):
+        check_params(ChatCompletionsLLM, {"base_ulr": "x"}, "llm")
+    with pytest.raises(ConfigError, match=r"llm.temperature='hot' has the wrong type: MLXLLM expects float"):
+        check_params(MLXLLM, {"temperature": "hot"}, "llm")
+    with pytest.raises(ConfigError, match=r"llm.max_token is not an option of TransformersLLM: did you mean "
+                                          r"llm.max_tokens\?"):
+        check_params(TransformersLLM, {"max_token": 3}, "llm")
+
+
+def test_a_node_without_an_init_takes_no_options():
+    from s2s_flow.node import Node
+
+    class Bare(Node):  # no __init__ anywhere but object's
+        pass
+
+    with pytest.raises(ConfigError, match=r"x.size is not an option of Bare: it takes none"):
+        check_params(Bare, {"size": 3}, "x")
+
+
 def test_a_target_that_is_not_a_node_class_is_rejected():
     cfg = OmegaConf.create({"chain": ["x"], "x": {"_target_": "collections.OrderedDict"}})
     with pytest.raises(ConfigError, match="is not a s2s_flow Node subclass"):

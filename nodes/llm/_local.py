@@ -40,14 +40,14 @@ class LocalLLM(Node):
         self,
         *,
         model: str,
-        system_prompt: str | None,
-        max_history_turns: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-        enable_thinking: bool,
-        chat_template_kwargs: Mapping[str, Any] | None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        max_history_turns: int = 8,
+        max_tokens: int = 256,
+        temperature: float = 0.7,
+        top_p: float = 0.8,
+        seed: int | None = None,
+        enable_thinking: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if not model:
             raise ConfigError(f"llm.model is empty: give a hub id or a local model directory ({self.backend})")

@@ -7,11 +7,11 @@ audio-capable models (llama-server with an audio ``--mmproj``, vLLM, OpenAI audi
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nodes._remote import DEFAULT_BASE_URL, EMPTY, RemoteError, RemoteLLM
+from nodes._remote import RemoteError, RemoteLLM
 from nodes.llm._conversation import Exchange
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
@@ -43,35 +43,13 @@ class ChatCompletionsLLM(RemoteLLM):
     def __init__(
         self,
         *,
-        base_url: str = DEFAULT_BASE_URL,
-        model: str | None = None,
-        api_key: str | None = None,
-        system_prompt: str | None = RemoteLLM.DEFAULT_SYSTEM_PROMPT,
-        max_history_turns: int = 8,
-        stream: bool = True,
-        temperature: float | None = None,
-        max_tokens: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        reasoning_effort: str | None = None,
-        enable_thinking: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = EMPTY,
-        extra_body: Mapping[str, Any] | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        max_retries: int = 2,
         audio_content_type: str = "input_audio",
         audio_prompt: str | None = None,
         keep_audio_turns: int = 1,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            base_url=base_url, model=model, api_key=api_key, system_prompt=system_prompt,
-            max_history_turns=max_history_turns, stream=stream, temperature=temperature,
-            max_tokens=max_tokens, top_p=top_p, seed=seed, reasoning_effort=reasoning_effort,
-            enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
-            extra_body=extra_body, connect_timeout=connect_timeout, read_timeout=read_timeout,
-            max_retries=max_retries,
-        )
+        """``options``: those of every remote LLM (``RemoteLLM``: base_url, model, api_key ...)."""
+        super().__init__(**options)
         if audio_content_type not in AUDIO_CONTENT_TYPES:
             raise ConfigError(
                 f"llm.audio_content_type={audio_content_type!r} is not known: use input_audio "

@@ -7,7 +7,7 @@ flag is read between tokens and closing the reply closes the generation: no help
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +24,9 @@ class MLXLLM(LocalLLM):
 
     backend = "llm=mlx"
 
-    def __init__(
-        self,
-        *,
-        model: str = "mlx-community/Qwen3-4B-Instruct-2507-bf16",
-        system_prompt: str | None = LocalLLM.DEFAULT_SYSTEM_PROMPT,
-        max_history_turns: int = 8,
-        max_tokens: int = 256,
-        temperature: float = 0.7,
-        top_p: float = 0.8,
-        seed: int | None = None,
-        enable_thinking: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__(
-            model=model, system_prompt=system_prompt, max_history_turns=max_history_turns,
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
-        )
+    def __init__(self, *, model: str = "mlx-community/Qwen3-4B-Instruct-2507-bf16", **options: Any) -> None:
+        """``options``: the generation and history options of every local LLM (``LocalLLM``)."""
+        super().__init__(model=model, **options)
         self._model: Any = None
 
     def setup(self) -> None:

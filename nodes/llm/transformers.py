@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
@@ -27,26 +27,10 @@ class TransformersLLM(LocalLLM):
 
     backend = "llm=transformers"
 
-    def __init__(
-        self,
-        *,
-        model: str = "Qwen/Qwen3-4B-Instruct-2507",
-        device: str = "auto",
-        dtype: str = "auto",
-        system_prompt: str | None = LocalLLM.DEFAULT_SYSTEM_PROMPT,
-        max_history_turns: int = 8,
-        max_tokens: int = 256,
-        temperature: float = 0.7,
-        top_p: float = 0.8,
-        seed: int | None = None,
-        enable_thinking: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__(
-            model=model, system_prompt=system_prompt, max_history_turns=max_history_turns,
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
-        )
+    def __init__(self, *, model: str = "Qwen/Qwen3-4B-Instruct-2507", device: str = "auto", dtype: str = "auto",
+                 **options: Any) -> None:
+        """``options``: the generation and history options of every local LLM (``LocalLLM``)."""
+        super().__init__(model=model, **options)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
             raise ConfigError(f"llm.device={device!r} is unknown: use auto (cuda > mps > cpu), cpu, cuda, "
                               "cuda:N or mps")
