@@ -29,17 +29,6 @@ if not OmegaConf.has_resolver("s2s.gguf"):
     OmegaConf.register_new_resolver("s2s.gguf", _package_gguf)
 
 
-def _corpus(key: str, *, _root_: Any) -> list[str]:
-    from s2s_flow.corpus import files  # lazy: synthesizes the corpus on first use only
-
-    return files(OmegaConf.select(_root_, key), key)
-
-
-# ${s2s.corpus:bench}: the benchmark corpus's WAV files (conf/bench/latency.yaml's io.input).
-if not OmegaConf.has_resolver("s2s.corpus"):
-    OmegaConf.register_new_resolver("s2s.corpus", _corpus)
-
-
 def conf_dir() -> Path:
     """conf/ beside the package in a checkout, or s2s_flow/conf inside an installed wheel."""
     here = Path(__file__).resolve().parent

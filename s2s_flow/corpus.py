@@ -1,13 +1,15 @@
 """The latency benchmark's corpus: spoken prompts, synthesized once and cached by content.
 
-``io.input: ${s2s.corpus:bench}`` (conf/bench/latency.yaml) resolves to the WAV files of
-the prompts listed under ``bench.prompts``, one conversation each, the whole list played
-``bench.repeat`` times. The files are made on first use with the TTS node configured in
-``bench.voice`` (Piper's en_US joe voice by default), trimmed to the speech and padded with
-exact digital silence, so every file's true end of speech is known; ``prompts.json`` beside
-them records it. They live in ``<cache>/corpus/<hash of texts + voice>/`` (cache:
-``$S2S_FLOW_CACHE`` or ``~/.cache/s2s-flow``): editing a prompt or the voice makes a new
-corpus, nothing is ever regenerated in place.
+``bench=latency`` hands the ``bench`` block to the WAV source (``io.source.corpus``), which
+checks it when the graph is built and, in its ``setup()``, asks for the WAV files of the
+prompts listed under ``bench.prompts``: one conversation each, the whole list played
+``bench.repeat`` times. So a dry run synthesizes nothing. The files are made on first use
+with the TTS node configured in ``bench.voice`` (Piper's en_US joe voice by default),
+trimmed to the speech and padded with exact digital silence, so every file's true end of
+speech is known; ``prompts.json`` beside them records it. They live in
+``<cache>/corpus/<hash of texts + voice>/`` (cache: ``$S2S_FLOW_CACHE`` or
+``~/.cache/s2s-flow``): editing a prompt or the voice makes a new corpus, nothing is ever
+regenerated in place.
 """
 
 from __future__ import annotations
@@ -24,10 +26,22 @@ from typing import Any
 
 from s2s_flow.errors import ConfigError
 
-__all__ = ["corpus_dir", "build", "files", "manifest"]
+__all__ = ["check", "corpus_dir", "build", "files", "manifest"]
 
 FORMAT = 1  # bump when the way files are made changes: it is part of the hash
 RATE = 16000
+
+
+def check(bench: Any, key: str = "bench") -> dict[str, Any]:
+    """The corpus spec from a ``bench`` block, checked without making anything (compose time):
+    the prompts, the repeat count, and the voice's class and options."""
+    from s2s_flow.graph import load_class
+    from s2s_flow.validate import check_params
+
+    spec = _spec(bench, key)
+    voice = dict(spec["voice"])
+    check_params(load_class(str(voice.pop("_target_")), f"{key}.voice"), voice, f"{key}.voice")
+    return spec
 
 
 def _spec(bench: Any, key: str) -> dict[str, Any]:

@@ -10,13 +10,15 @@ everything already produced.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from nodes.io._transcript import TranscriptFile, TurnText, check_output_dir
+from s2s_flow import corpus as bench_corpus
 from s2s_flow.audio import resample, to_mono
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, TextDelta, Transcript
@@ -62,16 +64,32 @@ class WavSource(Node):
     # A file can wait for a slow consumer; live audio would drop instead.
     port_rings = {"audio": (64, "block")}
 
-    def __init__(self, *, input: str | list[str] | None = None, rate: int = 16000, chunk_ms: int = 20,
-                 realtime: bool = False, tail_silence_s: float = 1.0):
+    def __init__(self, *, input: str | list[str] | None = None, corpus: Mapping[str, Any] | None = None,
+                 rate: int = 16000, chunk_ms: int = 20, realtime: bool = False, tail_silence_s: float = 1.0):
+        """``corpus``: a ``bench`` block (conf/bench/latency.yaml) whose spoken prompts are played
+        instead of ``input``; checked here, synthesized (once, then cached) in ``setup()``."""
         if rate not in (8000, 16000, 22050, 24000, 44100, 48000):
             raise ConfigError(f"io.rate={rate} is not a supported pipeline rate (16000 or 8000 for VAD)")
         if not 5 <= chunk_ms <= 200:
             raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
-        self.files = _input_files(input, "io.input")
         self.rate, self.chunk = rate, rate * chunk_ms // 1000
         self.realtime, self.tail_silence_s = realtime, tail_silence_s
+        self._corpus: dict[str, Any] | None = None
+        self.files: list[Path] = []
+        if corpus is None:
+            self.files = _input_files(input, "io.input")
+        elif input is not None:
+            raise ConfigError(f"io.input={input!r} and bench=latency both name the audio to play: drop "
+                              "io.input to play the benchmark corpus, or drop bench=latency to play the files")
+        else:
+            self._corpus = bench_corpus.check(corpus)
         self._names = self._unique_names(self.files)
+
+    def setup(self) -> None:
+        if self._corpus is not None:
+            self.ctx.progress("benchmark corpus (synthesized on first use, then cached)")
+            self.files = [Path(f) for f in bench_corpus.files(self._corpus)]
+            self._names = self._unique_names(self.files)
 
     @staticmethod
     def _unique_names(files: list[Path]) -> list[str]:
