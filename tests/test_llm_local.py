@@ -7,6 +7,7 @@ runtimes and two code paths (local chat template vs. the server's).
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -102,6 +103,38 @@ def test_second_turn_with_history_is_the_same_text_as_llama_cpp(
         assert text_of(turn(local, user, n)) == text_of(turn(chat, user, n))
     assert [e.reply for e in local.conversation.exchanges] == [e.reply for e in chat.conversation.exchanges]
     chat.close()
+
+
+# -- prompt cache ------------------------------------------------------------------------------
+
+
+@BOTH
+def test_later_turns_take_what_they_share_from_the_cache_and_answer_the_same(cls, tiny_llama: TinyLlama, tmp_path):
+    cached = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    plain = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, prompt_cache=False, **GREEDY)
+    reused = []
+    for n, user in enumerate([USER, "Tell me a short story, please.", "What did I ask first?"], start=1):
+        assert text_of(turn(cached, user, n)) == text_of(turn(plain, user, n))
+        reused.append(cached.last_prompt_reused)
+        assert plain.last_prompt_reused == 0
+    system_prompt = len(cached._tokenizer.encode(SYSTEM, add_special_tokens=False))
+    # turn 1 shares the system prompt with the warm-up; later turns the whole history before them
+    assert system_prompt < reused[0] < reused[1] < reused[2]
+    print(f"{cls.__name__}: prompt tokens taken from the cache per turn: {reused}")
+
+
+@BOTH
+def test_after_an_interrupted_reply_the_next_turn_answers_as_without_the_cache(cls, tiny_llama: TinyLlama, tmp_path):
+    cached = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=LONG, **GREEDY)
+    gen = cached.process("text", Transcript(turn=1, text=USER))
+    [next(gen) for _ in range(3)]
+    gen.close()  # barge-in: the cache holds more of the reply than the history keeps
+    plain = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, prompt_cache=False, **GREEDY)
+    plain.conversation = copy.deepcopy(cached.conversation)
+    cached.max_tokens = N_TOKENS
+    follow_up = "Tell me a short story, please."
+    assert text_of(turn(cached, follow_up, 2)) == text_of(turn(plain, follow_up, 2))
+    assert cached.last_prompt_reused > 0
 
 
 # -- streaming ---------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class LocalLLM(Node):
         seed: int | None = None,
         enable_thinking: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        prompt_cache: bool = True,
     ) -> None:
         if not model:
             raise ConfigError(f"llm.model is empty: give a hub id or a local model directory ({self.backend})")
@@ -65,6 +66,10 @@ class LocalLLM(Node):
         self._stale_below = -(2**62)  # turns below this were interrupted
         self._turn: int | None = None  # the turn being generated
         self._stop: threading.Event | None = None  # set: the reply in progress stops at its next token
+        #: keep the model's key/value cache between turns: a turn then only encodes what follows
+        #: the longest prefix it shares with the previous prompt and reply (history, system prompt)
+        self.prompt_cache = prompt_cache
+        self.last_prompt_reused = 0  # prompt tokens the last reply took from the cache
         self.last_reply_tokens = 0  # tokens generated for the last reply (logs, tests)
         self.last_stop = ""  # why it ended: "eos", "length" or "interrupted"
 
@@ -163,14 +168,26 @@ class LocalLLM(Node):
             generation.close()  # stops the generation now, whichever way the reply ended
             self._stop, self._turn = None, None
         self.ctx.log.debug(
-            "turn %d: %d prompt tokens, %d generated in %.2f s (%s)",
-            turn, len(prompt_ids), self.last_reply_tokens, time.monotonic() - start, self.last_stop,
+            "turn %d: %d prompt tokens (%d from the cache), %d generated in %.2f s (%s)",
+            turn, len(prompt_ids), self.last_prompt_reused, self.last_reply_tokens, time.monotonic() - start,
+            self.last_stop,
         )
         if self.last_stop == "length":
             self.ctx.log.warning("the reply hit the token limit (llm.max_tokens=%d) and was cut", self.max_tokens)
 
 
 # -- helpers ------------------------------------------------------------------------
+
+
+def shared_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many leading prompt tokens a cache of ``cached`` tokens already holds. One token is
+    always left to encode: generation needs the logits of the prompt's last token."""
+    n = 0
+    for a, b in zip(cached, prompt, strict=False):  # lengths differ
+        if a != b:
+            break
+        n += 1
+    return min(n, len(prompt) - 1)
 
 
 def _without_thinking(pieces: Iterator[str], *, opened: bool) -> Iterator[str]:

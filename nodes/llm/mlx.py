@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, load_offline_first, local_dir
-from nodes.llm._local import LocalLLM
+from nodes.llm._local import LocalLLM, shared_prefix
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -28,12 +28,15 @@ class MLXLLM(LocalLLM):
         """``options``: the generation and history options of every local LLM (``LocalLLM``)."""
         super().__init__(model=model, **options)
         self._model: Any = None
+        self._cache: Any = None  # the prompt cache kept between turns (prompt_cache)
+        self._cache_ids: list[int] = []  # the tokens it holds
 
     def setup(self) -> None:
         ensure_installed("mlx", "mlx_lm", extra="mlx")
         check_available(self.model, self.backend)  # before the multi-second mlx_lm import
         self._mx = require("mlx.core", "mlx")
         self._mlx_lm = mlx_lm = require("mlx_lm", "mlx")
+        self._caches = require("mlx_lm.models.cache", "mlx")  # the prompt cache kept between turns
         sample_utils = require("mlx_lm.sample_utils", "mlx")
         path = self._model_dir()
         self.ctx.progress(f"loading {self.model} on {self._mx.default_device()}")
@@ -71,12 +74,15 @@ class MLXLLM(LocalLLM):
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         if self.seed is not None:
             self._mx.random.seed(self.seed)
+        cache, keep = self._reusable_cache(prompt_ids)
         steps = self._mlx_lm.stream_generate(
-            self._model, self._tokenizer, prompt_ids, max_tokens=self.max_tokens, sampler=self._sampler
+            self._model, self._tokenizer, prompt_ids[keep:], max_tokens=self.max_tokens, sampler=self._sampler,
+            prompt_cache=cache,
         )
-        count, finish = 0, "eos"
+        count, finish, tokens = 0, "eos", []
         try:
             for step in steps:
+                tokens.append(step.token)
                 count, finish = step.generation_tokens, step.finish_reason or finish
                 if stop.is_set() or self.ctx.stopping.is_set():
                     finish = "interrupted"
@@ -90,6 +96,35 @@ class MLXLLM(LocalLLM):
             steps.close()
             self.last_reply_tokens = count
             self.last_stop = {"stop": "eos"}.get(finish, finish)
+            if cache is not None:
+                self._keep_cache(cache, prompt_ids + tokens)
+
+    def _reusable_cache(self, prompt_ids: list[int]) -> tuple[Any, int]:
+        """(cache, prompt tokens it already holds): the kept cache trimmed to what this prompt
+        shares with it, or a fresh one; (None, 0) when prompt_cache is off or it cannot be trimmed."""
+        self.last_prompt_reused = 0
+        if not self.prompt_cache:
+            return None, 0
+        caches = self._caches
+        cache, self._cache, cached = self._cache, None, self._cache_ids  # in use: never shared
+        if cache is not None:
+            keep = shared_prefix(cached, prompt_ids)
+            if keep > 0:
+                caches.trim_prompt_cache(cache, len(cached) - keep)
+                self.last_prompt_reused = keep
+                return cache, keep
+        cache = caches.make_prompt_cache(self._model)
+        return (cache, 0) if caches.can_trim_prompt_cache(cache) else (None, 0)
+
+    def _keep_cache(self, cache: Any, known: list[int]) -> None:
+        """Keep the cache for the next turn with the tokens it holds (the prompt, then the reply)."""
+        held = cache[0].offset if cache and hasattr(cache[0], "offset") else None
+        if held is None:
+            return
+        if held > len(known):  # a token fed ahead of the one the reply stopped at
+            self._caches.trim_prompt_cache(cache, held - len(known))
+            held = len(known)
+        self._cache, self._cache_ids = cache, known[:held]
 
     def close(self) -> None:
         super().close()

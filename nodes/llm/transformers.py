@@ -9,13 +9,14 @@ The options, history, chat template and interrupts shared with ``llm=mlx`` live 
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from collections.abc import Generator
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
-from nodes.llm._local import DTYPES, LocalLLM
+from nodes.llm._local import DTYPES, LocalLLM, shared_prefix
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -40,6 +41,8 @@ class TransformersLLM(LocalLLM):
         self.device, self.dtype = device, dtype
         self._model: Any = None
         self._thread: threading.Thread | None = None
+        self._cache: Any = None  # the DynamicCache kept between turns (prompt_cache)
+        self._cache_ids: list[int] = []  # the tokens it holds
 
     def setup(self) -> None:
         ensure_installed("torch", "transformers", extra="transformers")
@@ -63,6 +66,8 @@ class TransformersLLM(LocalLLM):
         else:
             self._tokenizer, model = load_offline_first(self.model, self.backend, load)
         self._model = model.to(self._device).eval()
+        # transformers 5.2x renamed generate's past_key_values to cache
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.check_chat_template()
         self.warm_up()
 
@@ -106,12 +111,17 @@ class TransformersLLM(LocalLLM):
             kwargs |= {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         if self.seed is not None:
             torch.manual_seed(self.seed)
+        cache = self._reusable_cache(prompt_ids)
+        if cache is not None:
+            kwargs |= {self._cache_kwarg: cache, "return_dict_in_generate": True}
         failed: list[BaseException] = []
 
         def run() -> None:
             try:
                 with torch.inference_mode():
-                    self._model.generate(**kwargs)
+                    out = self._model.generate(**kwargs)
+                if cache is not None:  # keep it for the next turn, with the tokens it now holds
+                    self._cache, self._cache_ids = cache, out.sequences[0][: cache.get_seq_length()].tolist()
             except BaseException as exc:  # re-raised on the node thread below
                 failed.append(exc)
                 streamer.end()  # wake the reader
@@ -132,6 +142,23 @@ class TransformersLLM(LocalLLM):
             self.last_stop = "interrupted" if halted[0] else "length" if count[0] >= self.max_tokens else "eos"
         if failed:
             raise failed[0]
+
+    def _reusable_cache(self, prompt_ids: list[int]) -> Any:
+        """The kept cache cut back to what this prompt shares with it, or a fresh one; None when
+        prompt_cache is off or the model's cache cannot be cut (sliding windows, recurrent state)."""
+        self.last_prompt_reused = 0
+        if not self.prompt_cache:
+            return None
+        cache, self._cache, cached = self._cache, None, self._cache_ids  # in use: never shared
+        if cache is not None and cache.is_croppable:
+            keep = shared_prefix(cached, prompt_ids)
+            if keep > 0:
+                if cache.get_seq_length() > keep:
+                    cache.crop(keep - cache.get_seq_length())  # a negative count: what to drop
+                self.last_prompt_reused = keep
+                return cache
+        cache = self._tf.DynamicCache(config=self._model.config)
+        return cache if cache.is_croppable else None
 
     def close(self) -> None:
         super().close()
