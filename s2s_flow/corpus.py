@@ -50,7 +50,7 @@ def _spec(bench: Any, key: str) -> dict[str, Any]:
     if isinstance(bench, DictConfig):
         bench = OmegaConf.to_container(bench, resolve=True)
     if not isinstance(bench, Mapping):
-        raise ConfigError(f"${{s2s.corpus:{key}}}: {key} must be a mapping with prompts, voice and repeat "
+        raise ConfigError(f"{key} must be a mapping with prompts, voice and repeat "
                           f"(see conf/bench/latency.yaml), got {bench!r}")
     prompts = bench.get("prompts")
     if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
