@@ -8,6 +8,7 @@ feature extraction, generation and decoding, not accuracy.
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import time
 from pathlib import Path
@@ -54,6 +55,19 @@ def build_tiny_whisper(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_whisper_dir(tmp_path_factory) -> Path:
     return build_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper"))
+
+
+def test_a_cuda_device_torch_cannot_see_is_an_answer_before_the_model_loads(tiny_whisper_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"stt.device='gpu' is unknown: use auto \(cuda > mps > cpu\)"):
+        WhisperHFSTT(model=str(tiny_whisper_dir), device="gpu")
+    stt = WhisperHFSTT(model=str(tiny_whisper_dir), device="cuda")
+    stt.ctx = Context("stt", tmp_path)
+    if importlib.import_module("torch").cuda.is_available():
+        stt.setup()  # a machine with a GPU loads it there
+        assert stt._device == "cuda"
+        return
+    with pytest.raises(ConfigError, match=r"stt.device=cuda but torch sees no CUDA GPU: use stt.device=auto or cpu"):
+        stt.setup()
 
 
 def test_a_local_whisper_checkpoint_loads_and_transcribes_real_speech(tiny_whisper_dir, tmp_path):

@@ -10,12 +10,12 @@ The options, history, chat template and interrupts shared with ``llm=mlx`` live 
 from __future__ import annotations
 
 import inspect
-import re
 import threading
 from collections.abc import Generator
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
+from nodes._torch import check_device, pick_device
 from nodes.llm._local import DTYPES, LocalLLM, shared_prefix
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -32,9 +32,7 @@ class TransformersLLM(LocalLLM):
                  **options: Any) -> None:
         """``options``: the generation and history options of every local LLM (``LocalLLM``)."""
         super().__init__(model=model, **options)
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
-            raise ConfigError(f"llm.device={device!r} is unknown: use auto (cuda > mps > cpu), cpu, cuda, "
-                              "cuda:N or mps")
+        check_device(device, "llm.device")
         if dtype not in DTYPES:
             raise ConfigError(f"llm.dtype={dtype!r} is unknown: use one of {', '.join(DTYPES)} "
                               "(auto: the checkpoint's dtype on a GPU, float32 on CPU)")
@@ -49,7 +47,7 @@ class TransformersLLM(LocalLLM):
         check_available(self.model, self.backend)  # before the multi-second torch import
         self._torch = torch = require("torch", "transformers")
         self._tf = tf = require("transformers", "transformers")
-        self._device = self._pick_device(torch)
+        self._device = pick_device(torch, self.device, "llm.device")
         on_cpu = self._device == "cpu"
         dtype = getattr(torch, self.dtype) if self.dtype != "auto" else torch.float32 if on_cpu else "auto"
         shown = "checkpoint dtype" if dtype == "auto" else str(dtype).removeprefix("torch.")
@@ -70,16 +68,6 @@ class TransformersLLM(LocalLLM):
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.check_chat_template()
         self.warm_up()
-
-    def _pick_device(self, torch: Any) -> str:
-        if self.device != "auto":
-            if self.device.startswith("cuda") and not torch.cuda.is_available():
-                raise ConfigError(f"llm.device={self.device} but torch sees no CUDA GPU: use llm.device=auto or cpu")
-            return self.device
-        if torch.cuda.is_available():
-            return "cuda"
-        mps = getattr(torch.backends, "mps", None)
-        return "mps" if mps is not None and mps.is_available() else "cpu"
 
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         torch, tf = self._torch, self._tf

@@ -5,11 +5,10 @@ For GPUs and Apple Silicon (cuda > mps > cpu); on a CPU-only machine stt=whisper
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
+from nodes._torch import check_device, pick_device
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -38,9 +37,7 @@ class WhisperHFSTT(UtteranceSTT):
             raise ConfigError("stt.model is empty: give a Whisper hub id (distil-whisper/distil-large-v3, "
                               "openai/whisper-large-v3-turbo ...) or a local model directory.")
         check_language(language, "stt.language")
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", device):
-            raise ConfigError(f"stt.device={device!r} is unknown: use auto (cuda > mps > cpu), cpu, cuda, "
-                              "cuda:N or mps.")
+        check_device(device, "stt.device")
         if dtype not in _DTYPES:
             raise ConfigError(f"stt.dtype={dtype!r} is unknown: use one of {', '.join(_DTYPES)} "
                               "(auto: float16 on a GPU, float32 on CPU).")
@@ -60,7 +57,7 @@ class WhisperHFSTT(UtteranceSTT):
         torch = require("torch", "whisper-hf")
         transformers = require("transformers", "whisper-hf")
         self._torch = torch
-        self._device = self._pick_device(torch)
+        self._device = pick_device(torch, self.device, "stt.device")
         self._dtype = (getattr(torch, self.dtype) if self.dtype != "auto"
                        else torch.float16 if self._device.startswith(("cuda", "mps")) else torch.float32)
         dtype_name = str(self._dtype).removeprefix("torch.")
@@ -91,14 +88,6 @@ class WhisperHFSTT(UtteranceSTT):
                               f"{', '.join(sorted(self._lang_of_id.values()))} or 'auto'.")
         self.ctx.progress("warming up Whisper")
         self.transcribe(np.zeros(WHISPER_RATE // 2, np.float32))
-
-    def _pick_device(self, torch) -> str:
-        if self.device != "auto":
-            return self.device
-        if torch.cuda.is_available():
-            return "cuda"
-        mps = getattr(torch.backends, "mps", None)
-        return "mps" if mps is not None and mps.is_available() else "cpu"
 
     def transcribe(self, audio: np.ndarray) -> tuple[str, str | None]:
         long_form = len(audio) > _CHUNK_S * WHISPER_RATE
