@@ -26,7 +26,7 @@ from typing import Any
 
 from s2s_flow.errors import ConfigError
 
-__all__ = ["check", "corpus_dir", "build", "files", "manifest"]
+__all__ = ["check", "corpus_dir", "build", "files", "manifest", "speech_bounds"]
 
 FORMAT = 1  # bump when the way files are made changes: it is part of the hash
 RATE = 16000
@@ -144,7 +144,7 @@ def _synthesize(spec: Mapping[str, Any], out: Path, key: str) -> None:
             if not pieces:
                 raise ConfigError(f"{key}.voice ({cls.__name__}) produced no audio for prompt {i}: {text!r}")
             pcm = resample(np.concatenate([p for p, _ in pieces]).astype(np.float32), pieces[0][1], RATE)
-            start, end = _speech_bounds(pcm, RATE)
+            start, end = speech_bounds(pcm, RATE)
             speech = pcm[start:end]
             speech = speech * (0.5 / max(float(np.abs(speech).max()), 1e-6))  # -6 dBFS peak: mic-like headroom
             lead = np.zeros(round(spec["lead_silence_s"] * RATE), np.float32)
@@ -160,7 +160,7 @@ def _synthesize(spec: Mapping[str, Any], out: Path, key: str) -> None:
         {"format": FORMAT, "rate": RATE, "voice": spec["voice"], "files": entries}, indent=1))
 
 
-def _speech_bounds(pcm: Any, rate: int, floor_db: float = -40.0) -> tuple[int, int]:
+def speech_bounds(pcm: Any, rate: int, floor_db: float = -40.0) -> tuple[int, int]:
     """First and last sample of audible speech: 10 ms frames louder than ``floor_db`` below the peak."""
     import numpy as np
 

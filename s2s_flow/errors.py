@@ -9,6 +9,15 @@ class S2SError(Exception):
     exit_code = 1
 
 
+def answer_within(exc: BaseException) -> S2SError | None:
+    """The S2SError a wrapper was raised from, if any (e.g. a resolver's, inside OmegaConf's):
+    report that answer rather than the wrapper around it."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, S2SError):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
 class ConfigError(S2SError):
     """The composed configuration cannot run. Reported before any model loads."""
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from s2s_flow.errors import ConfigError, S2SError
+from s2s_flow.errors import ConfigError, answer_within
 from s2s_flow.messages import Message
 from s2s_flow.node import Node
 
@@ -92,11 +92,9 @@ def _spec(name: str, path: str, cfg: Any, choices: dict[str, str]) -> NodeSpec |
     try:
         params = OmegaConf.to_container(cfg, resolve=True)
     except Exception as exc:  # a resolver failed: report its own answer, not OmegaConf's wrapper
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, S2SError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is not None:
-            raise cause from None
+        answer = answer_within(exc)
+        if answer is not None:
+            raise answer from None
         raise ConfigError(f"{path}: cannot resolve its values ({exc})") from None
     assert isinstance(params, dict)
     params = {k: v for k, v in params.items() if not str(k).startswith("_")}

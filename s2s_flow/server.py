@@ -42,7 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from s2s_flow.errors import ConfigError, S2SError
+from s2s_flow.errors import ConfigError, S2SError, answer_within
 from s2s_flow.scheduler import Stopped
 
 __all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "package_gguf",
@@ -188,11 +188,9 @@ def _resolve(cfg: Any) -> Any:
     try:
         return OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, S2SError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is not None:
-            raise cause from None
+        answer = answer_within(exc)
+        if answer is not None:
+            raise answer from None
         raise ConfigError(f"server: {str(exc).splitlines()[0]}") from None
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from s2s_flow.audio import resample
+from s2s_flow.corpus import speech_bounds
 
 __all__ = ["synthesize", "speech_with_pauses", "speech_bounds", "CACHE_DIR", "QUESTIONS"]
 
@@ -81,19 +82,6 @@ def synthesize(text: str, rate: int = 16000) -> np.ndarray:
     pcm = 0.5 * resample(_synthesize_native(text), PIPER_RATE, rate)
     start, end = speech_bounds(pcm, rate)
     return pcm[start:end].astype(np.float32)
-
-
-def speech_bounds(pcm: np.ndarray, rate: int, *, floor_db: float = -40.0) -> tuple[int, int]:
-    """First and last sample of audible speech: 10 ms frames louder than ``floor_db`` below peak."""
-    frame = rate // 100
-    n = len(pcm) // frame
-    if n == 0:
-        return 0, len(pcm)
-    rms = np.sqrt(np.mean(pcm[: n * frame].reshape(n, frame) ** 2, axis=1) + 1e-12)
-    loud = np.flatnonzero(20 * np.log10(rms / rms.max()) > floor_db)
-    if len(loud) == 0:
-        return 0, 0
-    return int(loud[0] * frame), int(min(len(pcm), (loud[-1] + 1) * frame))
 
 
 def speech_with_pauses(
