@@ -525,11 +525,11 @@ class RemoteLLM(Node):
         read_timeout: float = 60.0,
         max_retries: int = 2,
     ) -> None:
-        _check(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
-        _check(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
-        _check(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
-        _check(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
-        _check(reasoning_effort is None or bool(reasoning_effort), "reasoning_effort", reasoning_effort,
+        check_range(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
+        check_range(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
+        check_range(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
+        check_range(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
+        check_range(reasoning_effort is None or bool(reasoning_effort), "reasoning_effort", reasoning_effort,
                "null or an effort such as low, medium, high")
         self.model = model or None
         self.stream = stream
@@ -684,6 +684,6 @@ class RemoteLLM(Node):
             self._turn = None
 
 
-def _check(ok: bool, option: str, value: Any, expected: str) -> None:
+def check_range(ok: bool, option: str, value: Any, expected: str) -> None:
     if not ok:
         raise ConfigError(f"llm.{option}={value!r} is out of range: expected {expected}")

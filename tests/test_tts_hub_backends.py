@@ -143,3 +143,13 @@ def test_an_unreachable_host_is_reported_within_the_timeout() -> None:
 def test_bad_hub_backend_options_are_config_errors_naming_the_option(make, option: str) -> None:
     with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
         make()
+
+
+def test_a_local_model_directory_may_be_given_from_home(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "kokoro").mkdir()
+    (tmp_path / "qwen3-tts").mkdir()
+    KokoroTTS(model="~/kokoro")  # a directory, not a hub name: accepted
+    Qwen3TTS(model="~/qwen3-tts")
+    with pytest.raises(ConfigError, match="neither a local Kokoro directory"):
+        KokoroTTS(model="~/nothing-here")

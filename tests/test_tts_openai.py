@@ -136,3 +136,25 @@ def test_barge_in_closes_the_stream_and_stops_the_sentence(tmp_path) -> None:
         server.release.set()
         out = list(node.process("text", TextDelta(turn=2, text=SECOND, sentence_end=True, end=True)))
         assert {a.text for a in out if len(a.pcm)} == {SECOND}  # the next turn speaks normally
+
+
+@pytest.mark.parametrize("subtype", ["PCM_16", "PCM_32", "FLOAT"])
+def test_a_stereo_wav_reply_is_mixed_to_mono_at_its_true_level(subtype) -> None:
+    import io
+
+    import soundfile as sf
+
+    from nodes.tts.openai import _WavStream
+
+    t = np.arange(2400) / 24000
+    left, right = 0.5 * np.sin(2 * np.pi * 220 * t), 0.25 * np.sin(2 * np.pi * 220 * t)
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([left, right], axis=1), 24000, subtype=subtype, format="WAV")
+    data, stream, parts = buf.getvalue(), _WavStream(), []
+    for i in range(0, len(data), 997):  # as a server streams it, in odd pieces
+        pcm = stream.feed(data[i:i + 997])
+        if pcm is not None:
+            parts.append(pcm)
+    mono = np.concatenate(parts)
+    assert stream.rate == 24000 and mono.dtype == np.float32 and len(mono) == len(t)
+    assert np.allclose(mono, (left + right) / 2, atol=1e-3)  # about 0.375 peak, not integer counts

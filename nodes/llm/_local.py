@@ -12,7 +12,7 @@ from collections.abc import Generator, Iterator, Mapping
 from typing import Any, ClassVar
 
 from nodes._playback import truncate_to_heard
-from nodes._remote import RemoteLLM
+from nodes._remote import RemoteLLM, check_range
 from nodes.llm._conversation import Conversation, Exchange, reply_deltas
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, TextDelta, Transcript
@@ -52,10 +52,10 @@ class LocalLLM(Node):
     ) -> None:
         if not model:
             raise ConfigError(f"llm.model is empty: give a hub id or a local model directory ({self.backend})")
-        _check(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
-        _check(max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
-        _check(0 <= temperature <= 2, "temperature", temperature, "0 (greedy) to 2")
-        _check(0 < top_p <= 1, "top_p", top_p, "in (0, 1]; 1 turns it off")
+        check_range(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
+        check_range(max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
+        check_range(0 <= temperature <= 2, "temperature", temperature, "0 (greedy) to 2")
+        check_range(0 < top_p <= 1, "top_p", top_p, "in (0, 1]; 1 turns it off")
         self.model = model
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, float(temperature), top_p, seed
         self.enable_thinking = enable_thinking
@@ -219,8 +219,3 @@ def _without_thinking(pieces: Iterator[str], *, opened: bool) -> Iterator[str]:
                 yield rest
     if held and not thinking:
         yield held
-
-
-def _check(ok: bool, option: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"llm.{option}={value!r} is out of range: expected {expected}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes._hub import ensure_installed, hub_file, reachable
+from nodes._hub import ensure_installed, hub_file, local_dir, reachable
 from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError, ModelNotAvailable
 from s2s_flow.node import require
@@ -43,7 +43,7 @@ class KokoroTTS(SentenceTTS):
                               "e, f, h, i, j, p, z; a voice's first letter names its language (af_heart: a).")
         if not 0.25 <= speed <= 4.0:
             raise ConfigError(f"tts.speed={speed}: give a speaking-rate factor from 0.25 to 4 (1 = normal).")
-        if not Path(model).is_dir() and model not in _WEIGHTS:
+        if local_dir(model) is None and model not in _WEIGHTS:
             raise ConfigError(f"tts.model={model!r} is neither a local Kokoro directory (config.json, "
                               f"*.pth, voices/) nor a known hub model ({', '.join(_WEIGHTS)}).")
         if not voice.strip():
@@ -85,8 +85,8 @@ class KokoroTTS(SentenceTTS):
     def _files(self) -> tuple[Path, Path, list[Path]]:
         """config.json, weights and voice packs (``a,b`` blends voices), local or from the hub."""
         names = [v.strip() for v in self.voice.split(",") if v.strip()]
-        local = Path(self.model)
-        if local.is_dir():
+        local = local_dir(self.model)
+        if local is not None:
             weights = next(iter(sorted(local.glob("*.pth"))), None)
             voices = [Path(v) if v.endswith(".pt") else local / "voices" / f"{v}.pt" for v in names]
             missing = [p for p in [local / "config.json", weights, *voices] if p is None or not p.is_file()]

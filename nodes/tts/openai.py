@@ -51,7 +51,7 @@ class _WavStream:
             return None
         dtype = {(1, 16): "<i2", (1, 32): "<i4", (3, 32): "<f4"}[(tag, bits)]
         pcm = np.frombuffer(raw, dtype=dtype).reshape(-1, channels)
-        return to_float32(to_mono(pcm) if channels > 1 else pcm[:, 0])
+        return to_mono(to_float32(pcm))  # scale the integers first: to_mono averages into float32
 
     def _parse_header(self) -> bool:
         buf = self._buf

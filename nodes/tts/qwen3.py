@@ -48,7 +48,7 @@ class Qwen3TTS(SentenceTTS):
         if not 1 <= chunk_frames <= 25:
             raise ConfigError(f"tts.chunk_frames={chunk_frames}: give 1 to 25 codec frames (80 ms each) "
                               "per streamed packet; 4 = 0.32 s.")
-        if not Path(model).is_dir() and "/" not in model:
+        if local_dir(model) is None and "/" not in model:
             raise ConfigError(f"tts.model={model!r}: give a hub id like Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice "
                               "or a local directory with the model's files.")
         if not speaker.strip():
@@ -103,8 +103,8 @@ class Qwen3TTS(SentenceTTS):
 
     def _gguf_files(self, qt: Any) -> tuple[Path, Path]:
         """Talker and codec GGUFs: from a local directory, the hub cache, or a download if reachable."""
-        local = Path(self.model)
-        if local.is_dir():
+        local = local_dir(self.model)
+        if local is not None:
             def pick(kind: str) -> list[Path]:
                 exact = sorted(local.glob(f"*{kind}*{self.quant}.gguf"))
                 return exact or sorted(local.glob(f"*{kind}*.gguf"))
