@@ -31,6 +31,10 @@ def plan(cfg: DictConfig, choices: dict[str, str]) -> Graph:
     """Compose-time work: wire and validate the graph. Loads no model."""
     if not isinstance(cfg.get("dry_run"), bool):
         raise ConfigError(f"dry_run={cfg.get('dry_run')!r} must be true or false")
+    if cfg.get("server") is not None:  # the recipe's model server: its block is checked now, started later
+        from s2s_flow.server import ServerSpec
+
+        ServerSpec.from_config(cfg.server)
     return validate(build_graph(cfg, choices), conf_dir())
 
 

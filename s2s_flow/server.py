@@ -45,8 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 from s2s_flow.errors import ConfigError, S2SError, answer_within
 from s2s_flow.scheduler import Stopped
 
-__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "package_gguf",
-           "register_resolvers"]
+__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "package_gguf"]
 
 log = logging.getLogger("s2s_flow.server")
 
@@ -81,15 +80,6 @@ def package_gguf(package: str) -> str:
         raise ConfigError(f"${{s2s.gguf:{package}}}: the package {package!r} (in "
                           f"{', '.join(map(str, roots))}) contains no .gguf file")
     return str(found[0])
-
-
-def register_resolvers() -> None:
-    """``${s2s.gguf:PACKAGE}``; idempotent, so every entry point may call it."""
-    if not OmegaConf.has_resolver("s2s.gguf"):
-        OmegaConf.register_new_resolver("s2s.gguf", package_gguf)
-
-
-register_resolvers()
 
 
 @dataclass(frozen=True)

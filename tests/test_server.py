@@ -324,3 +324,13 @@ def test_processes_with_finds_a_live_process():  # the orphan checks above rely 
         child.kill()
         child.wait()
     assert not processes_with(marker)
+
+
+@pytest.mark.parametrize("override, answer", [
+    ("+server.comand=x", "server.comand (did you mean server.command?) is not a server option"),
+    ("server.start_timeout_s=-1", "server.start_timeout_s=-1 must be a number of seconds > 0"),
+])
+def test_a_dry_run_checks_the_server_block_without_starting_anything(override, answer, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "s2s_flow.cli", "recipe=local_cpu", override, "dry_run=true"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert out.returncode == 2 and answer in out.stderr and "Traceback" not in out.stderr
