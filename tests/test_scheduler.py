@@ -18,6 +18,7 @@ from s2s_flow.graph import build_graph
 from s2s_flow.messages import Transcript
 from s2s_flow.scheduler import Scheduler
 from s2s_flow.validate import validate
+from tests.support.nodes import SETUP_BARRIERS
 
 T = "tests.support.nodes."
 
@@ -73,14 +74,13 @@ def test_a_node_stuck_in_process_is_closed_to_unblock_it_when_another_fails(tmp_
 
 
 def test_setup_runs_in_parallel_and_a_setup_failure_names_the_node(tmp_path):
+    SETUP_BARRIERS["overlap"] = threading.Barrier(2)  # passed only by two setups running at once
     s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
-                             "slow": {"_target_": T + "SlowSetup", "seconds": 0.3}},
-                  nodes={"slow2": {"_target_": T + "SlowSetup", "seconds": 0.3}},
+                             "slow": {"_target_": T + "SlowSetup", "seconds": 0.0, "meet": "overlap"}},
+                  nodes={"slow2": {"_target_": T + "SlowSetup", "seconds": 0.0, "meet": "overlap"}},
                   edges=["up.text -> slow2.text"])
     s.run()
-    done = {e["node"]: e["seconds"] for e in s.trace.events if e["kind"] == "setup"}
-    assert done["slow"] >= 0.3 and done["slow2"] >= 0.3
-    assert max(done.values()) < 0.55  # the two 0.3 s setups overlapped
+    assert {e["node"] for e in s.trace.events if e["kind"] == "setup"} >= {"slow", "slow2"}
     s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
                              "bad": {"_target_": T + "SlowSetup", "seconds": 0.0, "fail": True}})
     with pytest.raises(NodeFailed, match="node 'bad' failed: RuntimeError: model file is corrupt"):

@@ -98,13 +98,21 @@ class Blocker(Node):
         self.release.set()
 
 
+SETUP_BARRIERS: dict[str, threading.Barrier] = {}  # name -> a barrier SlowSetup nodes meet at
+
+
 class SlowSetup(Node):
+    """A setup that takes ``seconds``, or, with ``meet``, waits for the other SlowSetup nodes
+    naming the same barrier: they pass only if their setups run at the same time."""
+
     inputs = {"text": TextDelta}
 
-    def __init__(self, *, seconds: float = 0.2, fail: bool = False):
-        self.seconds, self.fail = seconds, fail
+    def __init__(self, *, seconds: float = 0.2, fail: bool = False, meet: str = ""):
+        self.seconds, self.fail, self.meet = seconds, fail, meet
 
     def setup(self) -> None:
+        if self.meet:
+            SETUP_BARRIERS[self.meet].wait(timeout=5)  # BrokenBarrierError if run one after another
         time.sleep(self.seconds)
         if self.fail:
             raise RuntimeError("model file is corrupt")

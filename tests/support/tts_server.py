@@ -43,6 +43,7 @@ class SpeechServer:
         self.requests: list[dict[str, Any]] = []
         self.release = threading.Event()  # set by a test to let a held response finish
         self.finished = threading.Event()  # set when a response has been sent completely
+        self.disconnected = threading.Event()  # set when the client hung up mid-response
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
@@ -117,6 +118,7 @@ class SpeechServer:
                     self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
+                    server.disconnected.set()
                     return
                 server.finished.set()
 
