@@ -233,6 +233,11 @@ class RemoteClient:
         if self._http is not None:
             self._http.close()
 
+    def begin(self) -> None:
+        """A new request is about to be made: forget the last abort. Call it *before* publishing
+        what an interrupt would check (the turn in flight), so an abort is never lost between."""
+        self._cancel.clear()
+
     def abort(self) -> None:
         """Cancel the request in flight, from any thread: a read blocked on the server (even
         before the response headers, during a long prefill) returns at once."""
@@ -316,7 +321,6 @@ class RemoteClient:
         """Send with bounded retries on connect errors, 429 and 5xx; never once bytes came.
         ``content``: httpx's ``json=`` or ``data=`` and ``files=``."""
         httpx, url = self._httpx, self.base_url + path
-        self._cancel.clear()
         headers = {"Accept-Encoding": "identity"} if stream else {}  # chunks as the server sends them
         if accept:
             headers["Accept"] = accept
@@ -659,8 +663,11 @@ class RemoteLLM(Node):
             return
         body = self.request_body()
         produced = False
+        self.client.begin()
         self._turn = turn
         try:
+            if turn < self._stale_below:  # interrupted while the request was being built
+                return
             if not self.stream:
                 yield self.full_text(
                     self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)

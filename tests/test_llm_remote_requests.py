@@ -283,3 +283,19 @@ def test_reset_starts_the_next_conversation_with_an_empty_history(srv, tmp_path)
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "second conversation"},
     ]
+
+
+def test_a_barge_in_while_the_request_is_being_built_sends_nothing(srv, tmp_path):
+    srv.script(Reply.sse(chat_chunks("Sure.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, system_prompt=SYSTEM)
+    build = node.request_body
+
+    def built_then_interrupted():  # the user barges in between the stale check and the request
+        body = build()
+        node.on_interrupt(2)
+        return body
+
+    node.request_body = built_then_interrupted
+    assert text_of(turn(node, "Tell me a story.", 1)) == "" and srv.posts == []
+    node.request_body = build
+    assert text_of(turn(node, "Never mind, hi.", 2)) == "Sure." and len(srv.posts) == 1  # not aborted

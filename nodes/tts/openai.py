@@ -138,6 +138,9 @@ class OpenAITTS(SentenceTTS):
 
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         turn = self.speaking_turn
+        self.client.begin()
+        if self.interrupted(turn):  # a barge-in before begin(): its abort was cleared, so stop here
+            return
         payload: dict[str, Any] = {"model": self.model, "input": sentence, "voice": self.voice,
                                    "response_format": self.response_format}
         if self.instructions:
