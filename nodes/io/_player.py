@@ -33,7 +33,6 @@ class Reply:
     ended: bool = False  # the reply's end marker arrived
     done: bool = False  # ... and everything before it was played
     cut: bool = False  # a barge-in stopped it
-    first_audio_t: float | None = None  # when its first block went to the device
 
     def heard(self) -> str:
         """The text as far as it was played: whole sentences, then the played share of the words
@@ -205,7 +204,6 @@ class Player:
             n = len(self._fade)
             out[:n] = self._fade
             self._fade = None
-        now = time.monotonic()
         while n < self.block and self._queue:
             reply, index, pcm = self._queue[0]
             if pcm is None or index is None:  # end marker
@@ -222,8 +220,6 @@ class Player:
             self._offset += take
             sentence[2] += take
             reply.played += take
-            if reply.first_audio_t is None:
-                reply.first_audio_t = now
             if self._offset >= len(pcm):
                 self._queue.popleft()
                 self._offset = 0

@@ -321,6 +321,9 @@ class SpeakerSink(Node):
         self._write_rest()
         if self._player is not None:
             self._player.stop()
+            if self._player.underflows:
+                self.ctx.log.warning("the speaker underflowed %d time(s): the agent's voice had gaps (the "
+                                     "machine was too busy; raise io.latency)", self._player.underflows)
             self._player = None
         if self._rows is not None:
             self._rows.close()

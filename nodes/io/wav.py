@@ -135,7 +135,6 @@ class WavSource(Node):
 class _Turn(TurnText):
     audio: list[np.ndarray] = field(default_factory=list)
     audio_done: bool = False
-    first_audio_t: float | None = None
     interrupted: bool = False
 
 
@@ -161,8 +160,6 @@ class WavSink(Node):
         turn = self._turns.setdefault(msg.turn, _Turn())
         if isinstance(msg, AudioOut):
             if len(msg.pcm):
-                if turn.first_audio_t is None:
-                    turn.first_audio_t = time.monotonic()
                 pcm = msg.pcm if self.rate is None else resample(msg.pcm, msg.rate, self.rate)
                 turn.audio.append(pcm)
                 self.rate = self.rate or msg.rate

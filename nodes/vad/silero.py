@@ -144,7 +144,7 @@ class SileroVAD(Node):
                 "for 8000 also set vad.sample_rate=8000)."
             )
         pcm = to_mono(to_float32(np.asarray(msg.pcm))).reshape(-1)
-        yield from self._place(msg, pcm)
+        yield from self._place(msg)
         self._last_t = msg.t
         # a copy either way: utterances keep these samples, and a source may reuse its buffer
         self._pending = np.concatenate([self._pending, pcm]) if len(self._pending) else pcm.copy()
@@ -156,17 +156,14 @@ class SileroVAD(Node):
 
     def finish(self) -> Iterator[Message]:
         if self._phase == _SPEECH and self._next_pos is not None:
-            if len(self._pending):
-                self._utt.append(self._pending)
-            end = self._temp_end if self._temp_end is not None else self._next_pos
-            yield self._utterance(end, self._last_t)
+            yield self._cut_utterance()
         log = self.ctx.log
         if self.speech_count == 0:
             log.warning("no speech found in the input")
         else:
             log.info("%d utterance(s) detected", self.speech_count)
 
-    def _place(self, msg: AudioChunk, pcm: np.ndarray) -> Iterator[Message]:
+    def _place(self, msg: AudioChunk) -> Iterator[Message]:
         """Map the chunk onto the stream timeline: zero-fill short gaps, restart after long ones.
 
         Chunks that overlap or carry no offset simply follow the previous one.
@@ -182,13 +179,17 @@ class SileroVAD(Node):
             self._pending = np.concatenate([self._pending, np.zeros(gap, np.float32)])
             return
         if self._phase == _SPEECH:  # the audio after a long dropout is another utterance
-            if len(self._pending):
-                self._utt.append(self._pending)
-            end = self._temp_end if self._temp_end is not None else self._next_pos
-            yield self._utterance(end, self._last_t)
+            yield self._cut_utterance()
         self._to_idle(deque())
         self._pending = np.zeros(0, np.float32)
         self._pending_pos = start
+
+    def _cut_utterance(self) -> Speech:
+        """The utterance in progress, ended where the stream stops (end of input, long dropout)."""
+        if len(self._pending):
+            self._utt.append(self._pending)
+        end = self._temp_end if self._temp_end is not None else self._next_pos
+        return self._utterance(end, self._last_t)
 
     # -- per-window state machine ---------------------------------------------------------
 
