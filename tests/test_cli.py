@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import venv
 from pathlib import Path
 
@@ -24,10 +23,8 @@ def test_dry_run_prints_the_graph_and_loads_no_model_library():
     code = ("import sys; sys.argv=['s2s-run','dry_run=true']; from s2s_flow.cli import main; main(); "
             "heavy=[m for m in ('torch','onnxruntime','faster_whisper','ctranslate2','piper','transformers',"
             "'mlx','httpx') if m in sys.modules]; print('HEAVY', heavy)")
-    t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert time.monotonic() - t0 < 5  # < 2 s on an idle machine (benchmarks/bench_engine.py)
+    assert out.returncode == 0, out.stderr  # its wall time and memory: benchmarks/bench_engine.py
     assert "HEAVY []" in out.stdout
     for line in ("source.audio -> vad.audio", "vad.speech -> stt.audio", "stt.text -> llm.text",
                  "llm.text -> tts.text", "tts.audio -> sink.audio"):

@@ -232,7 +232,7 @@ def test_on_interrupt_cuts_a_request_still_waiting_for_its_first_byte(srv, tmp_p
     threading.Timer(0.3, node.on_interrupt, args=(2,)).start()  # from another thread, like the engine
     start = time.monotonic()
     deltas = turn(node, "first question", 1)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 4.0  # cut at 0.3 s, long before the server's 5 s answer
     assert text_of(deltas) == ""
     assert text_of(turn(node, "second question", 2)) == "Fresh answer."  # the client still works
 
@@ -255,22 +255,23 @@ def test_truncate_last_reply_is_what_the_next_request_carries(srv, tmp_path):
 
 
 def test_on_interrupt_cuts_a_stream_waiting_between_tokens(srv, tmp_path):
-    srv.script(Reply.sse(chat_chunks("Hello. ", "never")[1:], gap_s=1.5), Reply.sse(chat_chunks("Next.")))
+    srv.script(Reply.sse(chat_chunks("Hello. ", "never")[1:], gap_s=3.0), Reply.sse(chat_chunks("Next.")))
     node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path)
     threading.Timer(0.3, node.on_interrupt, args=(2,)).start()
     start = time.monotonic()
     deltas = turn(node, "first question", 1)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.5  # cut at 0.3 s, not at the next token 3 s later
     assert text_of(deltas) == "Hello. " and node.conversation.exchanges[-1].reply == "Hello. "
-    assert srv.disconnected.wait(5.0)  # the server learns it at its next writes
+    assert srv.disconnected.wait(6.0)  # the server learns it at its next writes (3 s on)
     assert text_of(turn(node, "second question", 2)) == "Next."
 
 
-def test_a_connection_closed_without_an_answer_is_retried_at_once(srv, tmp_path):
+def test_a_connection_closed_without_an_answer_is_retried_at_once(srv, tmp_path, caplog):
     """llama-server closes a kept-alive connection shortly after a streamed reply; a turn
     that meets such a connection asks again on a fresh one, without a backoff pause."""
+    caplog.set_level(logging.INFO)  # where a backoff pause would be logged
     srv.script(Reply(hangup=True), Reply.sse(chat_chunks("Ok.")))
     node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path)
     assert text_of(turn(node, "hi")) == "Ok."
-    first, second = srv.posts
-    assert second.t - first.t < 0.1  # the shortest backoff pause would be 0.125 s
+    assert len(srv.posts) == 2
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # no backoff pause was taken
