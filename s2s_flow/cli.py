@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from s2s_flow.compose import compose, conf_dir, redact, search_path, with_search_path
+from s2s_flow.compose import compose, conf_dir, given_search_path, redact, search_path, with_search_path
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.graph import Graph, build_graph
 from s2s_flow.validate import validate
@@ -58,11 +58,11 @@ def describe(graph: Graph) -> str:
 def _list_recipes(argv: list[str]) -> str:
     """``s2s-run --list-recipes``: every recipe (built-in, then S2S_FLOW_CONFIG_PATH and
     hydra.searchpath roots) with the first line of its header and the command that runs it."""
-    roots = [conf_dir(), *(p.removeprefix("file://") for p in search_path())]
+    roots = [conf_dir(), *search_path()]
     for arg in argv:
         if arg.startswith("hydra.searchpath="):
-            items = arg.split("=", 1)[1].strip("[]").split(",")
-            roots += [p.strip().strip("'\"").removeprefix("file://") for p in items if p.strip()]
+            roots += given_search_path(arg)
+    roots = [str(r).removeprefix("file://") for r in roots]
     lines, seen = [], set()
     for i, root in enumerate(dict.fromkeys(str(r) for r in roots)):
         files = sorted(Path(root, "recipe").glob("*.yaml"))

@@ -46,6 +46,11 @@ def search_path() -> list[str]:
     return [f"file://{Path(p).expanduser().resolve()}" for p in roots]
 
 
+def given_search_path(arg: str) -> list[str]:
+    """The roots of one ``hydra.searchpath=[a,b]`` override."""
+    return [p.strip().strip("'\"") for p in arg.split("=", 1)[1].strip().strip("[]").split(",") if p.strip()]
+
+
 def with_search_path(args: list[str]) -> list[str]:
     """``args`` with the S2S_FLOW_CONFIG_PATH roots added to hydra.searchpath: merged into one
     the user gave (of two, Hydra silently keeps one), else put before the first override
@@ -55,8 +60,7 @@ def with_search_path(args: list[str]) -> list[str]:
         return args
     for i, arg in enumerate(args):
         if arg.startswith("hydra.searchpath="):
-            given = [p.strip() for p in arg.split("=", 1)[1].strip().strip("[]").split(",") if p.strip()]
-            args[i] = f"hydra.searchpath=[{','.join([*given, *extra])}]"
+            args[i] = f"hydra.searchpath=[{','.join([*given_search_path(arg), *extra])}]"
             return args
     at = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
     args.insert(at, f"hydra.searchpath=[{','.join(extra)}]")

@@ -35,13 +35,20 @@ RATE = 16000
 def check(bench: Any, key: str = "bench") -> dict[str, Any]:
     """The corpus spec from a ``bench`` block, checked without making anything (compose time):
     the prompts, the repeat count, and the voice's class and options."""
+    spec = _spec(bench, key)
+    _voice(spec, key)
+    return spec
+
+
+def _voice(spec: Mapping[str, Any], key: str) -> tuple[type, dict[str, Any]]:
+    """The voice's node class and its checked options (the class is imported, nothing is built)."""
     from s2s_flow.graph import load_class
     from s2s_flow.validate import check_params
 
-    spec = _spec(bench, key)
     voice = dict(spec["voice"])
-    check_params(load_class(str(voice.pop("_target_")), f"{key}.voice"), voice, f"{key}.voice")
-    return spec
+    cls = load_class(str(voice.pop("_target_")), f"{key}.voice")
+    check_params(cls, voice, f"{key}.voice")
+    return cls, voice
 
 
 def _spec(bench: Any, key: str) -> dict[str, Any]:
@@ -123,14 +130,10 @@ def _synthesize(spec: Mapping[str, Any], out: Path, key: str) -> None:
     import soundfile as sf
 
     from s2s_flow.audio import resample
-    from s2s_flow.graph import load_class
     from s2s_flow.messages import TextDelta
     from s2s_flow.node import Context
-    from s2s_flow.validate import check_params
 
-    voice = dict(spec["voice"])
-    cls = load_class(str(voice.pop("_target_")), f"{key}.voice")
-    check_params(cls, voice, f"{key}.voice")
+    cls, voice = _voice(spec, key)
     node = cls(**voice)
     node.ctx = Context("corpus", out)
     print(f"s2s-flow: synthesizing the benchmark corpus once ({len(spec['prompts'])} prompts, "

@@ -283,9 +283,9 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-_COLORS = {"vad": "#9ecae1", "stt": "#3182bd", "llm": "#e6550d", "tts": "#31a354", "ring": "#bdbdbd"}
-_LABELS = {"vad": "VAD hangover", "stt": "STT", "llm": "LLM to first sentence", "tts": "TTS to first audio",
-           "ring": "rings"}
+#: the parts of the critical path in the charts (timeline.png, sweep.png): part -> (label, colour)
+PARTS = {"vad": ("VAD hangover", "#9ecae1"), "stt": ("STT", "#3182bd"), "llm": ("LLM to first sentence", "#e6550d"),
+         "tts": ("TTS to first audio", "#31a354"), "ring": ("rings", "#bdbdbd")}
 
 
 def plot_timeline(rep: Mapping[str, Any], path: Path | str) -> Path:
@@ -301,8 +301,8 @@ def plot_timeline(rep: Mapping[str, Any], path: Path | str) -> Path:
     for y, t in enumerate(turns):
         for seg in t["segments"]:
             part = seg["part"]
-            ax.barh(y, seg["to_ms"] - seg["from_ms"], left=seg["from_ms"], height=0.6, color=_COLORS[part],
-                    label=None if part in seen else _LABELS[part])
+            ax.barh(y, seg["to_ms"] - seg["from_ms"], left=seg["from_ms"], height=0.6, color=PARTS[part][1],
+                    label=None if part in seen else PARTS[part][0])
             seen.add(part)
         if t.get("llm_first_token_ms") is not None:
             ax.plot([t["llm_first_token_ms"]] * 2, [y - 0.3, y + 0.3], color="black", lw=1,

@@ -33,6 +33,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from s2s_flow.metrics import PARTS
+
 __all__ = ["SweepReport", "collect", "write_report", "hardware", "versions", "main"]
 
 #: Distributions whose versions every row records (those installed).
@@ -358,9 +360,7 @@ def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-_PART_COLORS = (("stage_vad", "VAD hangover", "#9ecae1"), ("stage_stt", "STT", "#3182bd"),
-                ("stage_llm", "LLM to first sentence", "#e6550d"), ("stage_tts", "TTS to first audio", "#31a354"),
-                ("ring_wait", "rings", "#bdbdbd"))
+_PART_KEYS = {"vad": "stage_vad", "stt": "stage_stt", "llm": "stage_llm", "tts": "stage_tts", "ring": "ring_wait"}
 
 
 def plot_sweep(rows: list[Mapping[str, Any]], path: Path | str) -> Path:
@@ -378,8 +378,8 @@ def plot_sweep(rows: list[Mapping[str, Any]], path: Path | str) -> Path:
                     color="firebrick", fontsize=8)
             continue
         left = 0.0
-        for key, label, color in _PART_COLORS:
-            width = r.get(f"{key}_p50_ms") or 0.0
+        for part, (label, color) in PARTS.items():  # the timeline's colours, part for part
+            width = r.get(f"{_PART_KEYS[part]}_p50_ms") or 0.0
             ax.barh(y, width, left=left, height=0.6, color=color, label=label if y == 0 else None)
             left += width
         p50, p95 = r["voice_to_voice_p50_ms"], r.get("voice_to_voice_p95_ms")
