@@ -136,10 +136,15 @@ def load_offline_first(
 ) -> T:
     """``load(local_files_only)`` from the local cache; download only if the hub is reachable.
 
-    ``load`` must raise OSError (huggingface_hub's LocalEntryNotFoundError is one) when the
-    files are not cached. Raises ModelNotAvailable when they are not and the hub is down;
-    ``progress`` (a node's ``ctx.progress``) hears of a download before it starts.
+    A ``model`` that is a local directory is loaded with the hub switched off (nothing in it,
+    tokenizer included, may reach for the network). ``load`` must raise OSError
+    (huggingface_hub's LocalEntryNotFoundError is one) when the files are not cached. Raises
+    ModelNotAvailable when they are not and the hub is down; ``progress`` (a node's
+    ``ctx.progress``) hears of a download before it starts.
     """
+    if local_dir(model) is not None:
+        with hf_offline():
+            return load(True)
     try:
         return load(True)
     except OSError as exc:
@@ -148,6 +153,22 @@ def load_offline_first(
     if progress is not None:
         progress(f"downloading {model} from the hub")
     return load(False)
+
+
+def hub_snapshot(model: str, backend: str, *, allow_patterns: list[str] | None = None, hint: str = "",
+                 progress: Callable[[str], object] | None = None) -> Path:
+    """A model's directory: the local directory it names, else its hub snapshot (from the cache,
+    or downloaded when the hub answers; ModelNotAvailable when neither)."""
+    path = local_dir(model)
+    if path is not None:
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(load_offline_first(
+        model, backend, lambda local_only: snapshot_download(model, local_files_only=local_only,
+                                                             allow_patterns=allow_patterns),
+        hint=hint, progress=progress,
+    ))
 
 
 def hub_file(repo_id: str, filename: str, *, backend: str, hint: str = "") -> Path:

@@ -11,7 +11,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from nodes._hub import check_available, ensure_installed, load_offline_first, local_dir
+from nodes._hub import check_available, ensure_installed, hub_snapshot
 from nodes.llm._local import LocalLLM, shared_prefix
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -48,16 +48,8 @@ class MLXLLM(LocalLLM):
 
     def _model_dir(self) -> Path:
         """The model's local directory: as given, from the hub cache, or downloaded when the hub answers."""
-        path = local_dir(self.model)
-        if path is not None:
-            return path
-        hub = require("huggingface_hub", "mlx")
         patterns = require("mlx_lm.utils", "mlx").DEFAULT_ALLOW_PATTERNS
-
-        def snapshot(local_only: bool) -> Path:
-            return Path(hub.snapshot_download(self.model, local_files_only=local_only, allow_patterns=patterns))
-
-        return load_offline_first(self.model, self.backend, snapshot)
+        return hub_snapshot(self.model, self.backend, allow_patterns=patterns, progress=self.ctx.progress)
 
     def check_chat_template(self) -> None:
         if not getattr(self._tokenizer, "has_chat_template", self._tokenizer.chat_template):

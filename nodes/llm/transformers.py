@@ -14,7 +14,7 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
+from nodes._hub import check_available, ensure_installed, load_offline_first
 from nodes._torch import check_device, pick_device
 from nodes.llm._local import DTYPES, LocalLLM, shared_prefix
 from s2s_flow.errors import ConfigError
@@ -58,11 +58,7 @@ class TransformersLLM(LocalLLM):
             model = tf.AutoModelForCausalLM.from_pretrained(self.model, dtype=dtype, local_files_only=local_only)
             return tokenizer, model
 
-        if local_dir(self.model) is not None:
-            with hf_offline():
-                self._tokenizer, model = load(True)
-        else:
-            self._tokenizer, model = load_offline_first(self.model, self.backend, load)
+        self._tokenizer, model = load_offline_first(self.model, self.backend, load)
         self._model = model.to(self._device).eval()
         # transformers 5.2x renamed generate's past_key_values to cache
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

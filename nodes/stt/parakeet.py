@@ -13,7 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nodes._hub import check_available, ensure_installed, hf_offline, hub_file, load_offline_first, local_dir
+from nodes._hub import (
+    check_available,
+    ensure_installed,
+    hf_offline,
+    hub_file,
+    hub_snapshot,
+)
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -82,15 +88,7 @@ class ParakeetSTT(UtteranceSTT):
         mx = require("mlx.core", "parakeet")
         from parakeet_mlx.audio import get_logmel
 
-        path = local_dir(self.model)
-        if path is None:
-            from huggingface_hub import snapshot_download
-
-            path = Path(load_offline_first(
-                self.model, "stt=parakeet, mlx",
-                lambda local_only: snapshot_download(self.model, local_files_only=local_only,
-                                                     allow_patterns=["config.json", "model.safetensors"]),
-            ))
+        path = hub_snapshot(self.model, "stt=parakeet, mlx", allow_patterns=["config.json", "model.safetensors"])
         gpu = mx.metal.is_available() if hasattr(mx, "metal") else False
         dtype = getattr(mx, self.dtype) if self.dtype != "auto" else mx.bfloat16 if gpu else mx.float32
         with hf_offline():  # from_pretrained tries the hub before the path

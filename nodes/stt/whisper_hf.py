@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nodes._hub import check_available, ensure_installed, hf_offline, load_offline_first, local_dir
+from nodes._hub import check_available, ensure_installed, load_offline_first
 from nodes._torch import check_device, pick_device
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -70,11 +70,7 @@ class WhisperHFSTT(UtteranceSTT):
             )
             return processor, model
 
-        if local_dir(self.model) is not None:
-            with hf_offline():
-                self._processor, model = load(True)
-        else:
-            self._processor, model = load_offline_first(self.model, "stt=whisper_hf", load)
+        self._processor, model = load_offline_first(self.model, "stt=whisper_hf", load)
         self._model = model.to(self._device).eval()
         gen = self._model.generation_config
         self._multilingual = bool(getattr(gen, "is_multilingual", False))

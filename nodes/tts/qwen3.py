@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes._hub import ensure_installed, load_offline_first, local_dir
+from nodes._hub import ensure_installed, hub_snapshot, load_offline_first, local_dir
 from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -126,16 +126,10 @@ class Qwen3TTS(SentenceTTS):
 
     def _load_mlx(self) -> Any:
         ensure_installed("mlx_audio", "huggingface_hub", extra="qwen3-tts")
-        path = local_dir(self.model)
-        if path is None:
-            repo = self.model
-            if repo.startswith("Qwen/"):  # the MLX conversions live under mlx-community
-                repo = f"mlx-community/{repo.split('/', 1)[1]}-bf16"
-            hub = require("huggingface_hub", "qwen3-tts")
-            path = Path(load_offline_first(
-                repo, "tts=qwen3 mlx", lambda local_only: hub.snapshot_download(repo, local_files_only=local_only),
-                hint="the option is tts.model", progress=self.ctx.progress,
-            ))
+        repo = self.model
+        if local_dir(repo) is None and repo.startswith("Qwen/"):  # the MLX conversions live under mlx-community
+            repo = f"mlx-community/{repo.split('/', 1)[1]}-bf16"
+        path = hub_snapshot(repo, "tts=qwen3 mlx", hint="the option is tts.model", progress=self.ctx.progress)
         self.ctx.progress(f"loading Qwen3-TTS from {path} on MLX")
         mlx_tts = require("mlx_audio.tts.utils", "qwen3-tts")
         engine = mlx_tts.load_model(path)
