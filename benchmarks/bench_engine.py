@@ -4,8 +4,9 @@ Run: python benchmarks/bench_engine.py [--messages 200000] [--rounds 5] [--capac
 
 Both chains move the same mix of 20 ms audio chunks (320 float32 samples) and small text
 messages from a source thread through 6 pass-through threads to a sink, in one process.
-Rounds alternate between the two chains, so a noisy neighbour hurts both alike; medians
-and ranges over the rounds are reported. Measured:
+Rounds alternate between the chains, so a noisy neighbour hurts all alike; medians and
+ranges over the rounds are reported. The engine runs twice: with its C hand-over
+(s2s_flow/_handoff.c, what an install builds) and with the pure-Python stand-in. Measured:
 
 - throughput: messages/s with the source unpaced (the chain saturated);
 - per-hop latency p50/p99: end-to-end latency / 7 hops, source paced at 2 kHz;
@@ -33,6 +34,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from s2s_flow import rings  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
 from s2s_flow.messages import AudioChunk, Message, TextDelta  # noqa: E402
 from s2s_flow.node import Node  # noqa: E402
@@ -125,7 +127,15 @@ class Result:
         self.secs, self.latencies, self.usage, self.rss = secs, latencies, usage, rss or []
 
 
-def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0) -> Result:
+def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0,
+              pure_python: bool = False) -> Result:
+    if pure_python:
+        saved = rings.Waiter, rings.block
+        rings.Waiter, rings.block = rings._Waiter, rings._block
+        try:
+            return run_rings(n, pace_hz, capacity=capacity, rss_every=rss_every)
+        finally:
+            rings.Waiter, rings.block = saved
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
     cfg = {"chain": ["src", *passes, "sink"],
@@ -245,8 +255,12 @@ def main() -> None:
     ap.add_argument("--memory", type=int, default=1_000_000, help="messages in the RSS run (0 = skip)")
     args = ap.parse_args()
 
-    chains = {"s2s-flow rings": lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity),
-              "queue.Queue": run_queues}
+    chains = {"s2s-flow rings": lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity)}
+    if rings.block is not rings._block:
+        chains["rings, Python"] = lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity, pure_python=True)
+    else:
+        print("s2s_flow/_handoff.c is not built: the engine runs with its pure-Python hand-over")
+    chains["queue.Queue"] = run_queues
     rate: dict[str, list[float]] = {c: [] for c in chains}
     p50: dict[str, list[float]] = {c: [] for c in chains}
     p99: dict[str, list[float]] = {c: [] for c in chains}
@@ -272,9 +286,12 @@ def main() -> None:
     for name in chains:
         print(f"{name:<16} {spread(rate[name], '.0f'):>22} {spread(p50[name], '.3f'):>22} "
               f"{spread(p99[name], '.3f'):>22}")
-    ratios = [a / b for a, b in zip(rate["s2s-flow rings"], rate["queue.Queue"], strict=True)]
-    print(f"throughput ratio rings/queue, per round: {' '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {statistics.median(ratios):.2f}x)")
+    for name in list(chains)[:-1]:
+        ratios = [a / b for a, b in zip(rate[name], rate["queue.Queue"], strict=True)]
+        hops = [a / b for a, b in zip(p50[name], p50["queue.Queue"], strict=True)]
+        print(f"{name} / queue.Queue per round: throughput {' '.join(f'{r:.2f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f}x); hop p50 {' '.join(f'{r:.2f}' for r in hops)} "
+              f"(median {statistics.median(hops):.2f}x)")
 
     print("\nwhere the time goes (saturated, median over rounds): CPU us per message / voluntary switches "
           "per 1000 messages")

@@ -10,6 +10,13 @@ All rings that feed one node share that node's :class:`Inbox` (one lock, one wak
 so a node sleeps until *any* of its inputs or its control lane has something, without
 polling. A consumer takes everything available in one lock acquisition. Put times are kept
 beside the items, not wrapped with them, so a hop allocates nothing per message.
+
+Waking a thread costs the most on a hop, so it is done once and at the right moment. A
+node that hands over a batch defers its consumers' wake-ups (``deferred``) to the moment it
+blocks itself, and :func:`block` (C, ``s2s_flow/_handoff.c``) releases them and goes to
+sleep without holding the GIL in between: the woken thread finds the GIL free instead of
+sleeping a second time on it. Without the C module, a pure-Python stand-in does the same
+in the same order, at the price of that second thread switch.
 """
 
 from __future__ import annotations
@@ -22,10 +29,46 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox"]
+__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "wake_all"]
 
 POLICIES = ("block", "drop_oldest", "drop_newest")
 _now = time.monotonic
+
+
+class _Waiter:
+    """A one-shot lock a sleeping thread waits on; ``release()`` wakes it (pure Python)."""
+
+    __slots__ = ("_lock", "_released")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._lock.release()
+
+
+def _block(waiter: _Waiter, wakes: list[Any], timeout: float) -> bool:
+    """Release the waiters in ``wakes`` (emptying it), then wait on ``waiter``; True when woken.
+
+    The pure-Python stand-in for ``s2s_flow._handoff.block``, which does the same without
+    holding the GIL in between, so the threads it wakes find the GIL free.
+    """
+    for w in wakes:
+        w.release()
+    wakes.clear()
+    return waiter._lock.acquire(True, timeout)
+
+
+try:
+    from s2s_flow._handoff import Waiter, block
+except ImportError:  # not compiled (no C compiler at install): same behaviour, one more thread switch per hop
+    Waiter, block = _Waiter, _block  # type: ignore[assignment,misc]
+
+_NONE: list[Any] = []  # "nothing to wake"; never appended to
 
 
 class RingClosed(Exception):
@@ -51,26 +94,34 @@ class Inbox:
         self.rings: list[Ring] = []
         self.open = 0  # rings not closed yet
         self.control: deque[Any] = deque()
-        self._waiter: Any = None  # a locked lock the sleeping consumer waits on, else None
+        self._waiter: Any = None  # the Waiter the sleeping consumer blocks on, else None
 
-    def wake(self) -> None:
+    def wake(self, deferred: list[Any] | None = None) -> None:
         """Call with ``lock`` held, after adding something the consumer may want.
 
         Cheaper than Condition.notify on the hot path: nothing to do unless the consumer
-        sleeps, and then one lock release wakes it.
+        sleeps, and then one lock release wakes it. With ``deferred``, the release is left
+        to the caller (:func:`wake_all`), to do just before it sleeps itself.
         """
         if self._waiter is not None:
-            self._waiter.release()
+            if deferred is None:
+                self._waiter.release()
+            else:
+                deferred.append(self._waiter)
             self._waiter = None
 
-    def sleep(self, timeout: float | None) -> bool:
-        """Call with ``lock`` held: release it until woken or timed out, then retake it."""
-        waiter = threading.Lock()
-        waiter.acquire()
+    def sleep(self, timeout: float | None, deferred: list[Any] | None = None) -> bool:
+        """Call with ``lock`` held: release it until woken or timed out, then retake it.
+
+        The ``deferred`` wakes are done after this inbox's lock is let go, the last thing
+        before blocking (see :func:`wake_all`).
+        """
+        waiter = Waiter()
         self._waiter = waiter
         self.lock.release()
         try:
-            woken = waiter.acquire(True, -1 if timeout is None else max(0.0, timeout))
+            woken = block(waiter, _NONE if deferred is None else deferred,
+                          -1.0 if timeout is None else max(0.0, timeout))
         finally:
             self.lock.acquire()
             if self._waiter is waiter:
@@ -83,39 +134,52 @@ class Inbox:
             self.control.append(item)
             self.wake()
 
-    def wait(self, timeout: float | None = None) -> tuple[list[Any], list[tuple[Ring, list[Any], list[float]]], bool]:
+    def wait(self, timeout: float | None = None, deferred: list[Any] | None = None,
+             ) -> tuple[list[Any], list[tuple[Ring, list[Any], list[float]]], bool]:
         """Block until there is control or data; return (control, data, all_inputs_done).
 
         ``data`` is every item available, ring by ring: [(ring, items, put_times)], each in
         FIFO order. ``all_inputs_done`` is true once every input ring is closed and empty.
+        ``deferred`` wakes are done before this returns or sleeps.
         """
         rings = self.rings
-        with self.lock:
-            while not self.control and not self._ready():
-                if self.open == 0:
-                    return [], [], True
-                if not self.sleep(timeout):
-                    break
-            control: list[Any] = []
-            if self.control:
-                control = list(self.control)
-                self.control.clear()
-            data = []
-            for ring in rings:
-                items = ring._items
-                if items:
-                    data.append((ring, list(items), list(ring._times)))
-                    items.clear()
-                    ring._times.clear()
-                    if ring._blocked_waiters:
-                        ring._not_full.notify_all()
-            return control, data, False
+        try:
+            with self.lock:
+                while not self.control and not self._ready():
+                    if self.open == 0:
+                        return [], [], True
+                    if not self.sleep(timeout, deferred):
+                        break
+                control: list[Any] = []
+                if self.control:
+                    control = list(self.control)
+                    self.control.clear()
+                data = []
+                for ring in rings:
+                    items = ring._items
+                    if items:
+                        data.append((ring, list(items), list(ring._times)))
+                        items.clear()
+                        ring._times.clear()
+                        if ring._room:
+                            ring._room_made(deferred)  # woken below, once this lock is let go
+                return control, data, False
+        finally:
+            if deferred:
+                wake_all(deferred)  # when it did not sleep
 
     def _ready(self) -> bool:
         for ring in self.rings:  # noqa: SIM110 - a loop is several times cheaper than any() over a generator
             if ring._items:
                 return True
         return False
+
+
+def wake_all(deferred: list[Any]) -> None:
+    """Wake the threads whose wake-up was deferred (see :meth:`Inbox.wake`), and forget them."""
+    for waiter in deferred:
+        waiter.release()
+    deferred.clear()
 
 
 class Ring:
@@ -131,34 +195,41 @@ class Ring:
         self.inbox.rings.append(self)
         self.inbox.open += 1
         self._lock = self.inbox.lock
-        self._not_full = threading.Condition(self._lock)
-        self._blocked_waiters = 0
+        self._room: list[Any] = []  # waiters of producers blocked until there is room
         self._items: deque[Any] = deque()
         self._times: deque[float] = deque()  # put time of each item, side by side
         self._closed = False
         self.puts = self.drops = self.high_water = 0
         self.blocked_s = 0.0
 
-    def _wait_for_room(self) -> None:
-        """With the lock held: wait until the ring has room or is closed; count the time."""
+    def _wait_for_room(self, deferred: list[Any] | None) -> None:
+        """With the lock held: wait until the ring has room or is closed; count the time.
+
+        Deferred wakes are done as this thread blocks: never block with a consumer unwoken.
+        """
         t0 = time.perf_counter()
-        self._blocked_waiters += 1
-        try:
-            while len(self._items) >= self.capacity and not self._closed:
-                self._not_full.wait()
-        finally:
-            self._blocked_waiters -= 1
+        while len(self._items) >= self.capacity and not self._closed:
+            waiter = Waiter()
+            self._room.append(waiter)
+            self._lock.release()
+            try:
+                block(waiter, _NONE if deferred is None else deferred, -1.0)
+            finally:
+                self._lock.acquire()
         self.blocked_s += time.perf_counter() - t0
 
-    def put(self, item: Any) -> bool:
-        """Add an item; returns False when the policy dropped something (this or the oldest)."""
+    def put(self, item: Any, deferred: list[Any] | None = None) -> bool:
+        """Add an item; returns False when the policy dropped something (this or the oldest).
+
+        With ``deferred``, waking the consumer is left to the caller (:meth:`Inbox.wake`).
+        """
         with self._lock:
             if self._closed:
                 raise RingClosed(self.name)
             kept = True
             if len(self._items) >= self.capacity:
                 if self.policy == "block":
-                    self._wait_for_room()
+                    self._wait_for_room(deferred)
                     if self._closed:
                         raise RingClosed(self.name)
                 elif self.policy == "drop_oldest":
@@ -177,23 +248,23 @@ class Ring:
                 self.high_water = len(items)
             inbox = self.inbox
             if inbox._waiter is not None:
-                inbox.wake()
+                inbox.wake(deferred)
             return kept
 
-    def put_many(self, items: list[Any]) -> None:
+    def put_many(self, items: list[Any], deferred: list[Any] | None = None) -> None:
         """Put several items, taking the lock once per run of items that fits.
 
         Policies apply as in :meth:`put`; a ``block`` ring waits for room between runs.
         """
         if self.policy != "block":
             for item in items:
-                self.put(item)
+                self.put(item, deferred)
             return
         i, n = 0, len(items)
         while i < n:
             with self._lock:
                 if len(self._items) >= self.capacity and not self._closed:
-                    self._wait_for_room()
+                    self._wait_for_room(deferred)
                 if self._closed:
                     raise RingClosed(self.name)
                 take = min(n - i, self.capacity - len(self._items))
@@ -204,7 +275,7 @@ class Ring:
                 if len(self._items) > self.high_water:
                     self.high_water = len(self._items)
                 if self.inbox._waiter is not None:
-                    self.inbox.wake()
+                    self.inbox.wake(deferred)
 
     def get(self, timeout: float | None = None) -> Any:
         """Take the oldest item, waiting up to ``timeout``; raises RingClosed once closed and empty.
@@ -222,8 +293,8 @@ class Ring:
                 self.inbox.sleep(remaining)
             item = self._items.popleft()
             self._times.popleft()
-            if self._blocked_waiters:
-                self._not_full.notify()
+            if self._room:
+                self._room_made()
             return item
 
     def flush(self, stale: Callable[[Any], bool] | None = None) -> int:
@@ -238,8 +309,8 @@ class Ring:
             self._times = deque(t for _, t in kept)
             dropped = before - len(self._items)
             self.drops += dropped
-            if dropped and self._blocked_waiters:
-                self._not_full.notify_all()
+            if dropped and self._room:
+                self._room_made()
             return dropped
 
     def close(self, *, discard: bool = False) -> None:
@@ -252,8 +323,17 @@ class Ring:
                 self.drops += len(self._items)
                 self._items.clear()
                 self._times.clear()
-            self._not_full.notify_all()
+            self._room_made()
             self.inbox.wake()
+
+    def _room_made(self, deferred: list[Any] | None = None) -> None:
+        """With the lock held, after items left: wake the producers waiting for room."""
+        for waiter in self._room:
+            if deferred is None:
+                waiter.release()
+            else:
+                deferred.append(waiter)
+        self._room.clear()
 
     @property
     def closed(self) -> bool:

@@ -31,7 +31,7 @@ from s2s_flow.errors import NodeFailed, S2SError
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
 from s2s_flow.node import Context
-from s2s_flow.rings import Inbox, Ring, RingClosed
+from s2s_flow.rings import Inbox, Ring, RingClosed, wake_all
 from s2s_flow.trace import NodeTurn, Trace
 
 __all__ = ["Scheduler", "Stopped"]
@@ -299,9 +299,10 @@ class Scheduler:
         node, table, process, wait = run.node, run.table, run.node.process, run.inbox.wait
         received = self.trace.received
         pending: list[Any] = []
+        wakes: list[Any] = []  # consumers of the last batch, woken just before this thread sleeps
         try:
             while True:
-                control, data, done = wait()
+                control, data, done = wait(None, wakes)
                 if _STOP in control or self._stopped:
                     return
                 if done:
@@ -330,13 +331,14 @@ class Scheduler:
                                 started = _now()
                         if self._stopped:
                             return
-                self._forward(run, pending)
+                self._forward(run, pending, wakes)
         except RingClosed:
             if not self._stopped:
                 raise
         except BaseException as exc:
             self._fail(run.name, exc)
         finally:
+            wake_all(wakes)
             self._close_outputs(run)
 
     def _fresh(self, data: list[_Batch]) -> list[_Batch]:
@@ -348,8 +350,12 @@ class Scheduler:
                 fresh.append((ring, [m for m, _ in kept], [t for _, t in kept]))
         return fresh
 
-    def _forward(self, run: _Running, pending: list[Any]) -> None:
-        """Send collected outputs, one lock per output ring, then clear the list."""
+    def _forward(self, run: _Running, pending: list[Any], wakes: list[Any] | None = None) -> None:
+        """Send collected outputs, one lock per output ring, then clear the list.
+
+        With ``wakes``, consumers are woken later (``Inbox.wake``): the end of a batch is
+        followed at once by this thread's next wait, which does it.
+        """
         if not pending:
             return
         if len(pending) == 1:  # the common live case
@@ -357,7 +363,7 @@ class Scheduler:
             if not 0 < msg.turn < self._epoch:
                 self.trace.emitted(run.table, [msg], _now())
                 for ring in run.outputs.get(port, ()):
-                    ring.put(msg)
+                    ring.put(msg, wakes)
             return
         grouped = run.by_port(pending[:])
         pending.clear()
@@ -369,7 +375,7 @@ class Scheduler:
                     continue
             self.trace.emitted(run.table, msgs, now)
             for ring in run.outputs.get(port, ()):
-                ring.put_many(msgs)
+                ring.put_many(msgs, wakes)
 
     def _emit(self, run: _Running, out: Iterable[Any] | Message | None) -> None:
         """Send outputs one by one as they are made (sources, streaming generators, finish())."""

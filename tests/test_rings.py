@@ -1,4 +1,8 @@
-"""Bounded rings: order, capacity and each overflow policy, also under concurrency."""
+"""Bounded rings: order, capacity and each overflow policy, also under concurrency.
+
+Every test runs twice: with the C hand-over (s2s_flow/_handoff.c) and with its pure-Python
+stand-in, which a machine without a C compiler uses.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s2s_flow.rings import Inbox, Ring, RingClosed
+from s2s_flow import rings
+from s2s_flow.rings import Inbox, Ring, RingClosed, wake_all
+
+try:
+    from s2s_flow import _handoff
+except ImportError:  # reported by test_the_install_builds_the_c_hand_over
+    _handoff = None
+
+default_hand_over = (rings.Waiter, rings.block)  # what the rings use when nothing patches them
+HAND_OVERS = {"python": (rings._Waiter, rings._block)}
+if _handoff is not None:
+    HAND_OVERS["c"] = (_handoff.Waiter, _handoff.block)
+
+
+@pytest.fixture(scope="module", params=sorted(HAND_OVERS), autouse=True)
+def hand_over(request):
+    """Module-scoped (hypothesis re-runs a test body many times within one fixture)."""
+    with pytest.MonkeyPatch.context() as mp:
+        waiter, block = HAND_OVERS[request.param]
+        mp.setattr(rings, "Waiter", waiter)
+        mp.setattr(rings, "block", block)
+        yield request.param
 
 
 @given(items=st.lists(st.integers(), max_size=200), capacity=st.integers(1, 300))
@@ -99,9 +124,9 @@ def test_blocked_producer_counts_blocked_time_and_resumes_when_consumer_takes():
     t = threading.Thread(target=ring.put, args=("b",))
     t.start()
     deadline = time.monotonic() + 5
-    while not ring._blocked_waiters and time.monotonic() < deadline:  # the producer is waiting for room
+    while not ring._room and time.monotonic() < deadline:  # the producer is waiting for room
         time.sleep(0.001)
-    assert ring._blocked_waiters == 1 and len(ring) == 1
+    assert len(ring._room) == 1 and len(ring) == 1
     assert ring.get(1) == "a"
     t.join(1)
     assert ring.get(1) == "b"
@@ -166,3 +191,81 @@ def test_invalid_ring_settings_are_rejected_with_the_fix():
         Ring(4, "lifo")
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         Ring(0)
+
+
+def test_the_install_builds_the_c_hand_over():
+    """The README's install compiles it; without it every hop costs a second thread switch."""
+    assert _handoff is not None, "s2s_flow/_handoff.c was not compiled: run scripts/bootstrap.sh (gcc, python3-dev)"
+    assert default_hand_over == (_handoff.Waiter, _handoff.block)
+
+
+def test_block_wakes_the_given_waiters_then_sleeps_until_released_or_timed_out():
+    sleeper, me = rings.Waiter(), rings.Waiter()
+    woke = threading.Event()
+
+    def sleep() -> None:
+        if rings.block(sleeper, [], 5.0):
+            woke.set()
+
+    t = threading.Thread(target=sleep, daemon=True)
+    t.start()
+    wakes = [sleeper]
+    assert rings.block(me, wakes, 0.05) is False  # nobody releases me: timed out
+    assert wakes == [] and woke.wait(5)
+    t.join(5)
+    released = rings.Waiter()
+    released.release()
+    released.release()  # once only: a second release is a no-op
+    assert rings.block(released, [], 5.0) is True
+
+
+def test_a_deferred_wake_waits_for_the_putter_then_delivers():
+    inbox = Inbox()
+    ring = Ring(4, "block", inbox=inbox)
+    got: list = []
+    asleep = threading.Event()
+
+    def consume() -> None:
+        asleep.set()
+        got.extend(m for _, items, _ in inbox.wait(5)[1] for m in items)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    asleep.wait(5)
+    deadline = time.monotonic() + 5
+    while inbox._waiter is None and time.monotonic() < deadline:  # the consumer sleeps
+        time.sleep(0.001)
+    wakes: list = []
+    ring.put("x", wakes)
+    assert len(wakes) == 1 and inbox._waiter is None  # taken for later, not released
+    t.join(0.1)
+    assert t.is_alive() and got == []
+    wake_all(wakes)
+    t.join(5)
+    assert got == ["x"] and wakes == []
+
+
+def test_deferred_wakes_are_done_before_the_putter_blocks_for_room():
+    """Otherwise a producer blocked on a full ring could keep another consumer asleep forever."""
+    first, full = Inbox(), Inbox()
+    a, b = Ring(4, "block", inbox=first), Ring(1, "block", inbox=full)
+    b.put("old")
+    got: list = []
+    consumer = threading.Thread(target=lambda: got.extend(m for _, i, _ in first.wait(60)[1] for m in i), daemon=True)
+    consumer.start()
+    deadline = time.monotonic() + 5
+    while first._waiter is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+    def produce() -> None:
+        wakes: list = []
+        a.put("x", wakes)  # deferred
+        b.put("y", wakes)  # blocks: the deferred wake must go out first
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    consumer.join(5)
+    assert got == ["x"]
+    assert b.get(1) == "old"
+    producer.join(5)
+    assert not producer.is_alive() and b.get(1) == "y"

@@ -1,0 +1,159 @@
+/* Hand the GIL over when a node thread goes to sleep.
+ *
+ * The rings are Python, and Python cannot do one thing they need: wake other threads and
+ * go to sleep *without holding the GIL in between*. A thread that releases a lock from
+ * Python still holds the GIL; the thread it wakes finds the GIL taken, sleeps again on
+ * it, and is woken a second time when the first thread blocks. That is two thread
+ * switches per hop instead of one, and on a machine where a switch between cores costs
+ * tens of microseconds it is most of a hop's latency.
+ *
+ * block(waiter, wakes, timeout) drops the GIL, releases every waiter in ``wakes`` (and
+ * empties the list), then waits on ``waiter``: the woken threads find the GIL free.
+ * Waiter is a one-shot lock, created locked, that release() unlocks once.
+ *
+ * s2s_flow/rings.py has the same API in pure Python, used where this is not built.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    int released;
+} Waiter;
+
+static PyTypeObject WaiterType;
+
+static PyObject *Waiter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Waiter() takes no arguments");
+        return NULL;
+    }
+    Waiter *self = (Waiter *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->lock = PyThread_allocate_lock();
+    if (self->lock == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    return (PyObject *)self;
+}
+
+static void Waiter_dealloc(Waiter *self) {
+    if (self->lock != NULL) {
+        if (!self->released)
+            PyThread_release_lock(self->lock);
+        PyThread_free_lock(self->lock);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Waiter_release(Waiter *self, PyObject *unused) {
+    if (!self->released) {
+        self->released = 1;
+        PyThread_release_lock(self->lock);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Waiter_methods[] = {
+    {"release", (PyCFunction)Waiter_release, METH_NOARGS, "Wake the thread sleeping on this waiter (once)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WaiterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "s2s_flow._handoff.Waiter",
+    .tp_doc = "A one-shot lock a sleeping thread waits on; release() wakes it.",
+    .tp_basicsize = sizeof(Waiter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Waiter_new,
+    .tp_dealloc = (destructor)Waiter_dealloc,
+    .tp_methods = Waiter_methods,
+};
+
+#define STACK_WAKES 16
+
+static PyObject *block(PyObject *module, PyObject *args) {
+    PyObject *waiter, *wakes;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "O!O!d:block", &WaiterType, &waiter, &PyList_Type, &wakes, &timeout))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(wakes);
+    PyObject *stack[STACK_WAKES], **held = stack;
+    if (n > STACK_WAKES && (held = PyMem_New(PyObject *, n)) == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *w = PyList_GET_ITEM(wakes, i);
+        if (!PyObject_TypeCheck(w, &WaiterType)) {
+            PyErr_SetString(PyExc_TypeError, "block(): wakes must hold Waiter objects");
+            for (Py_ssize_t j = 0; j < k; j++)
+                Py_DECREF(held[j]);
+            if (held != stack)
+                PyMem_Free(held);
+            return NULL;
+        }
+        if (!((Waiter *)w)->released) {
+            ((Waiter *)w)->released = 1;
+            Py_INCREF(w);  /* kept alive until its lock is released below */
+            held[k++] = w;
+        }
+    }
+    if (PyList_SetSlice(wakes, 0, n, NULL) < 0) {
+        for (Py_ssize_t j = 0; j < k; j++)
+            PyThread_release_lock(((Waiter *)held[j])->lock);
+        k = 0;  /* woken all the same, then report the error */
+    }
+    PY_TIMEOUT_T micros = -1;
+    if (timeout >= 0)
+        micros = timeout * 1e6 >= (double)PY_TIMEOUT_MAX ? PY_TIMEOUT_MAX : (PY_TIMEOUT_T)(timeout * 1e6);
+    PyThread_type_lock own = ((Waiter *)waiter)->lock;
+    PyLockStatus got;
+    Py_INCREF(waiter);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < k; j++)
+        PyThread_release_lock(((Waiter *)held[j])->lock);
+    got = PyThread_acquire_lock_timed(own, micros, 0);
+    Py_END_ALLOW_THREADS
+    if (got == PY_LOCK_ACQUIRED)
+        PyThread_release_lock(own);  /* leave it unlocked, as dealloc expects of a released waiter */
+    Py_DECREF(waiter);
+    for (Py_ssize_t j = 0; j < k; j++)
+        Py_DECREF(held[j]);
+    if (held != stack)
+        PyMem_Free(held);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(got == PY_LOCK_ACQUIRED);
+}
+
+static PyMethodDef module_methods[] = {
+    {"block", block, METH_VARARGS,
+     "block(waiter, wakes, timeout) -> bool: without the GIL, release the waiters in wakes (emptying\n"
+     "the list), then wait on waiter up to timeout seconds (< 0: no limit); True when woken."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "s2s_flow._handoff", "Hand the GIL over when a node thread goes to sleep.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__handoff(void) {
+    if (PyType_Ready(&WaiterType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&WaiterType);
+    if (PyModule_AddObject(m, "Waiter", (PyObject *)&WaiterType) < 0) {
+        Py_DECREF(&WaiterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
