@@ -104,9 +104,13 @@ static PyObject *block(PyObject *module, PyObject *args) {
         }
     }
     if (PyList_SetSlice(wakes, 0, n, NULL) < 0) {
-        for (Py_ssize_t j = 0; j < k; j++)
+        for (Py_ssize_t j = 0; j < k; j++) {  /* woken all the same, then the error is reported */
             PyThread_release_lock(((Waiter *)held[j])->lock);
-        k = 0;  /* woken all the same, then report the error */
+            Py_DECREF(held[j]);
+        }
+        if (held != stack)
+            PyMem_Free(held);
+        return NULL;
     }
     PY_TIMEOUT_T micros = -1;
     if (timeout >= 0)
@@ -126,8 +130,6 @@ static PyObject *block(PyObject *module, PyObject *args) {
         Py_DECREF(held[j]);
     if (held != stack)
         PyMem_Free(held);
-    if (PyErr_Occurred())
-        return NULL;
     return PyBool_FromLong(got == PY_LOCK_ACQUIRED);
 }
 

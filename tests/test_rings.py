@@ -269,3 +269,18 @@ def test_deferred_wakes_are_done_before_the_putter_blocks_for_room():
     assert b.get(1) == "old"
     producer.join(5)
     assert not producer.is_alive() and b.get(1) == "y"
+
+
+def test_block_wakes_many_waiters_and_refuses_anything_else():
+    waiters = [rings.Waiter() for _ in range(20)]  # more than the C code keeps on its stack
+    woken = []
+    threads = [threading.Thread(target=lambda w=w: woken.append(rings.block(w, [], 5.0)), daemon=True)
+               for w in waiters]
+    for t in threads:
+        t.start()
+    rings.block(rings.Waiter(), list(waiters), 0.01)
+    for t in threads:
+        t.join(5)
+    assert woken == [True] * 20
+    with pytest.raises((TypeError, AttributeError)):
+        rings.block(rings.Waiter(), [object()], 0.01)
