@@ -277,7 +277,7 @@ def main() -> None:
             p50[name].append(hop50)
             p99[name].append(hop99)
 
-    cap = f"capacity {args.capacity}" if args.capacity else "default ring capacity (64)"
+    cap = f"capacity {args.capacity}" if args.capacity else f"default ring capacity ({Message.ring[0]})"
     print(f"\n6 pass-through nodes, {args.messages} msgs per round (half 20 ms audio, half text), {args.rounds} "
           f"rounds, {cap}; Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.2f}")

@@ -31,8 +31,9 @@ class Message:
     turn: int = 0
     t: float = field(default_factory=time.monotonic)
 
-    #: Default ring for edges carrying this type: (capacity, policy).
-    ring: ClassVar[tuple[int, str]] = (64, "block")
+    #: Default ring for edges carrying this type: (capacity, policy). A generic edge is as deep
+    #: as a text edge: small messages, and each ring-full costs a thread hand-over.
+    ring: ClassVar[tuple[int, str]] = (256, "block")
     #: Whether a message of this type can stand for a milestone (the trace asks only those).
     has_marks: ClassVar[bool] = False
 
