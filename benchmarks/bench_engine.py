@@ -2,7 +2,7 @@
 
 Run: python benchmarks/bench_engine.py [--messages 200000] [--rounds 5] [--capacity N] [--memory 1000000]
 
-Both chains move the same mix of 20 ms audio chunks (320 float32 samples) and small text
+The chains move the same mix of 20 ms audio chunks (320 float32 samples) and small text
 messages from a source thread through 6 pass-through threads to a sink, in one process.
 Rounds alternate between the chains, so a noisy neighbour hurts all alike; medians and
 ranges over the rounds are reported. The engine runs twice: with its C hand-over
