@@ -9,7 +9,8 @@
  *
  * block(waiter, wakes, timeout) drops the GIL, releases every waiter in ``wakes`` (and
  * empties the list), then waits on ``waiter``: the woken threads find the GIL free.
- * Waiter is a one-shot lock, created locked, that release() unlocks once.
+ * Waiter is a one-shot lock, created locked, that release() unlocks once; once woken it
+ * stays woken. A signal interrupts the wait so that its handler runs (main thread).
  *
  * s2s_flow/rings.py has the same API in pure Python, used where this is not built.
  */
@@ -77,60 +78,80 @@ static PyTypeObject WaiterType = {
 
 #define STACK_WAKES 16
 
+/* Monotonic nanoseconds (3.13 made the clock public; before, only the underscored name). */
+static long long monotonic_ns(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    (void)PyTime_MonotonicRaw(&t);
+    return (long long)t;
+#else
+    return (long long)_PyTime_GetMonotonicClock();
+#endif
+}
+
 static PyObject *block(PyObject *module, PyObject *args) {
     PyObject *waiter, *wakes;
     double timeout;
     if (!PyArg_ParseTuple(args, "O!O!d:block", &WaiterType, &waiter, &PyList_Type, &wakes, &timeout))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(wakes);
+    for (Py_ssize_t i = 0; i < n; i++) {  /* check everything before taking anything */
+        if (!PyObject_TypeCheck(PyList_GET_ITEM(wakes, i), &WaiterType)) {
+            PyErr_SetString(PyExc_TypeError, "block(): wakes must hold Waiter objects");
+            return NULL;
+        }
+    }
     PyObject *stack[STACK_WAKES], **held = stack;
     if (n > STACK_WAKES && (held = PyMem_New(PyObject *, n)) == NULL)
         return PyErr_NoMemory();
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *w = PyList_GET_ITEM(wakes, i);
-        if (!PyObject_TypeCheck(w, &WaiterType)) {
-            PyErr_SetString(PyExc_TypeError, "block(): wakes must hold Waiter objects");
-            for (Py_ssize_t j = 0; j < k; j++)
-                Py_DECREF(held[j]);
-            if (held != stack)
-                PyMem_Free(held);
-            return NULL;
-        }
-        if (!((Waiter *)w)->released) {
-            ((Waiter *)w)->released = 1;
+        Waiter *w = (Waiter *)PyList_GET_ITEM(wakes, i);
+        if (!w->released) {
+            w->released = 1;
             Py_INCREF(w);  /* kept alive until its lock is released below */
-            held[k++] = w;
+            held[k++] = (PyObject *)w;
         }
     }
-    if (PyList_SetSlice(wakes, 0, n, NULL) < 0) {
-        for (Py_ssize_t j = 0; j < k; j++) {  /* woken all the same, then the error is reported */
-            PyThread_release_lock(((Waiter *)held[j])->lock);
-            Py_DECREF(held[j]);
-        }
-        if (held != stack)
-            PyMem_Free(held);
-        return NULL;
-    }
+    PyObject *result = NULL;
+    PyLockStatus got = PY_LOCK_FAILURE;
     PY_TIMEOUT_T micros = -1;
-    if (timeout >= 0)
+    long long deadline = 0;
+    if (timeout >= 0) {
         micros = timeout * 1e6 >= (double)PY_TIMEOUT_MAX ? PY_TIMEOUT_MAX : (PY_TIMEOUT_T)(timeout * 1e6);
+        deadline = monotonic_ns() + (long long)micros * 1000;
+    }
+    int listed = PyList_SetSlice(wakes, 0, n, NULL) == 0;
     PyThread_type_lock own = ((Waiter *)waiter)->lock;
-    PyLockStatus got;
     Py_INCREF(waiter);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < k; j++)
         PyThread_release_lock(((Waiter *)held[j])->lock);
-    got = PyThread_acquire_lock_timed(own, micros, 0);
+    if (listed)
+        got = PyThread_acquire_lock_timed(own, micros, 1);
     Py_END_ALLOW_THREADS
+    /* Interrupted by a signal: run its handler (main thread), then wait for what is left. */
+    while (listed && got == PY_LOCK_INTR) {
+        if (PyErr_CheckSignals() < 0)
+            break;
+        if (micros > 0) {
+            long long left = deadline - monotonic_ns();
+            micros = left > 0 ? (PY_TIMEOUT_T)(left / 1000) : 0;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        got = PyThread_acquire_lock_timed(own, micros, 1);
+        Py_END_ALLOW_THREADS
+    }
     if (got == PY_LOCK_ACQUIRED)
-        PyThread_release_lock(own);  /* leave it unlocked, as dealloc expects of a released waiter */
+        PyThread_release_lock(own);  /* left unlocked: woken once, it stays woken */
+    if (!PyErr_Occurred())
+        result = PyBool_FromLong(got == PY_LOCK_ACQUIRED);
     Py_DECREF(waiter);
     for (Py_ssize_t j = 0; j < k; j++)
         Py_DECREF(held[j]);
     if (held != stack)
         PyMem_Free(held);
-    return PyBool_FromLong(got == PY_LOCK_ACQUIRED);
+    return result;
 }
 
 static PyMethodDef module_methods[] = {

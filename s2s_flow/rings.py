@@ -60,7 +60,10 @@ def _block(waiter: _Waiter, wakes: list[Any], timeout: float) -> bool:
     for w in wakes:
         w.release()
     wakes.clear()
-    return waiter._lock.acquire(True, timeout)
+    woken = waiter._lock.acquire(True, -1 if timeout < 0 else timeout)
+    if woken:
+        waiter._lock.release()  # once woken, it stays woken
+    return woken
 
 
 try:

@@ -284,3 +284,50 @@ def test_block_wakes_many_waiters_and_refuses_anything_else():
     assert woken == [True] * 20
     with pytest.raises((TypeError, AttributeError)):
         rings.block(rings.Waiter(), [object()], 0.01)
+
+
+def test_block_refuses_a_bad_list_without_losing_the_waiters_in_it():
+    sleeper = rings.Waiter()
+    wakes = [sleeper, object()]
+    with pytest.raises((TypeError, AttributeError)):
+        rings.block(rings.Waiter(), wakes, 0.01)
+    if wakes:  # C checks first and takes nothing: the sleeper can still be woken
+        wakes.pop()
+        rings.block(rings.Waiter(), wakes, 0.01)
+    assert rings.block(sleeper, [], 0.0) is True
+
+
+def test_a_signal_interrupts_a_blocked_wait_on_the_main_thread():
+    """Ctrl-C reaches a tool blocked in Ring.get(): the handler runs, the wait does not go on."""
+    import signal
+
+    ring = Ring(1)
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    closer = threading.Timer(10, ring.close)
+    closer.start()
+    t0 = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            ring.get()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        closer.cancel()
+    assert time.monotonic() - t0 < 5  # not the 10 s until close()
+
+
+def test_a_signal_does_not_cut_a_timed_wait_short():
+    import signal
+
+    ring = Ring(1)
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    t0 = time.monotonic()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(TimeoutError):
+            ring.get(0.3)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 >= 0.29
