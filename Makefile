@@ -7,7 +7,7 @@ bootstrap:
 	scripts/bootstrap.sh
 
 run: bootstrap
-	.venv/bin/s2s-run recipe=local_cpu
+	.venv/bin/s2s-run recipe=local_cpu io.realtime=true
 
 test: bootstrap
 	.venv/bin/python -m pytest -q

@@ -238,6 +238,9 @@ def write(rep: Mapping[str, Any], run_dir: Path | str, *, timeline: bool = False
     return path
 
 
+QUEUED_NOTE_MS = 50.0  # ring waits this long are queueing behind earlier turns, not hand-overs
+
+
 def show(rep: Mapping[str, Any], console: Any) -> None:
     """The run's latencies as a rich table (ms after the true end of user speech)."""
     from rich.table import Table
@@ -274,6 +277,10 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
         notes.append(f"{missing} without reply audio")
     drops = rep["drops"]
     notes.append("drops: " + (", ".join(f"{e} {d}" for e, d in drops.items()) if drops else "none"))
+    waited = rep["summary"].get("ring_wait_ms", {}).get("p50")
+    if waited is not None and waited >= QUEUED_NOTE_MS:
+        notes.append(f"turns waited {waited:.0f} ms (p50) in rings for a stage still busy with an earlier turn: "
+                     "the input came faster than the stages (a file? io.realtime=true paces it like a microphone)")
     table.caption = "; ".join(notes)
     table.caption_justify = "left"
     console.print(table)

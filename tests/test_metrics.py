@@ -216,3 +216,16 @@ def test_written_shown_and_returned(tmp_path: Path):
 def test_no_timeline_unless_asked(tmp_path: Path):
     metrics.write(metrics.report(synthetic_trace(), {}, graph_for()), tmp_path)
     assert (tmp_path / "metrics.json").exists() and not (tmp_path / "timeline.png").exists()
+
+
+def test_the_table_says_when_turns_queued_behind_earlier_ones():
+    """Hand-overs cost well under a millisecond; long ring waits mean the input outran the stages."""
+    rep = metrics.report(synthetic_trace(turns=3), {}, graph_for())
+    console = Console(record=True, width=300)
+    metrics.show(rep, console)
+    assert "queue" not in console.export_text() and "io.realtime" not in console.export_text()
+    rep["summary"]["ring_wait_ms"]["p50"] = 224.0
+    console = Console(record=True, width=300)
+    metrics.show(rep, console)
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "turns waited 224 ms (p50) in rings" in text and "io.realtime=true" in text
