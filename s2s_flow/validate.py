@@ -142,8 +142,19 @@ def _eligible(group: str, takes: type, conf_dir: Path | None) -> list[str]:
 
 def _unfed(graph: Graph, spec: NodeSpec, port: str, conf_dir: Path | None) -> ConfigError:
     """A required input has no producer: say which choice causes it and what to choose."""
-    wanted = spec.cls.inputs[port].__name__
-    idx = graph.chain.index(spec.name) if spec.name in graph.chain else -1
+    typ = spec.cls.inputs[port]
+    wanted = typ.__name__
+    if spec.name not in graph.chain:  # a side node (nodes:) is wired only by explicit edges
+        producers = [f"{name}.{out}" for name, other in graph.nodes.items() if name != spec.name
+                     for out, t in other.cls.outputs.items() if issubclass(t, typ)]
+        edge = f"'{producers[0] if producers else '...'} -> {spec.name}.{port}'"
+        offer = f" ({wanted} comes from {', '.join(producers)})" if producers else f" (nothing here makes {wanted})"
+        replaced = (" Note that edges=[...] on the command line replaces the whole list, including edges a "
+                    "config group adds (io=mic wires its partial transcriber)"
+                    if any(e.explicit for e in graph.edges) else "")
+        return ConfigError(f"{spec.label} is outside the chain, so only an explicit edge feeds its input {port!r}: "
+                           f"add {edge} to edges{offer}.{replaced}")
+    idx = graph.chain.index(spec.name)
     upstream = graph.nodes[graph.chain[idx - 1]] if idx > 0 else None
     if upstream is None:
         return ConfigError(f"{spec.label} needs {wanted} on its input {port!r}, and nothing in the graph "

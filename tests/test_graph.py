@@ -116,3 +116,19 @@ def test_a_target_that_is_not_a_node_class_is_rejected():
     cfg = OmegaConf.create({"chain": ["x"], "x": {"_target_": "nodes.llm.nope.Nope"}})
     with pytest.raises(ConfigError, match="names no importable node class"):
         build_graph(cfg)
+
+
+def test_a_side_node_without_its_edges_names_the_edge_to_add_and_why_it_went_missing():
+    """edges=[...] on the command line replaces the list io=mic adds for its partial transcriber."""
+    cfg, choices = compose(["io=mic", "+nodes.log={_target_:nodes.io.jsonl.JsonlSink,path:t.jsonl}",
+                            'edges=["stt.text -> log.in"]'])
+    with pytest.raises(ConfigError) as err:
+        validate(build_graph(cfg, choices))
+    text = str(err.value)
+    assert "nodes.partials is outside the chain" in text and "'source.audio -> partials.audio'" in text
+    assert "replaces the whole list" in text
+    cfg, choices = compose(["+nodes.log={_target_:nodes.io.jsonl.JsonlSink,path:t.jsonl}"])
+    with pytest.raises(ConfigError) as err:
+        validate(build_graph(cfg, choices))
+    assert "nodes.log is outside the chain" in str(err.value) and "stt.text" in str(err.value)
+    assert "replaces the whole list" not in str(err.value)  # no edges were given
