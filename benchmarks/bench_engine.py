@@ -77,11 +77,10 @@ class Source(Node):
 
     def __init__(self, *, n: int, pace_hz: float = 0.0):
         self.n, self.pace_hz = n, pace_hz
-        self.usage = Usage()
 
     def produce(self) -> Iterator[Message]:
         yield from messages(self.n, self.pace_hz)
-        self.usage.record("source")
+        self.usage = thread_usage()
 
 
 class Pass(Node):
@@ -138,8 +137,8 @@ def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int
             rings.Waiter, rings.block = saved
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
-    cfg = {"chain": ["src", *passes, "sink"],
-           "src": {"_target_": me + "Source", "n": n, "pace_hz": pace_hz},
+    cfg = {"chain": ["source", *passes, "sink"],
+           "source": {"_target_": me + "Source", "n": n, "pace_hz": pace_hz},
            "sink": {"_target_": me + "Sink", "sample_rss_every": rss_every},
            **{p: {"_target_": me + "Pass"} for p in passes}}
     if capacity:
@@ -149,8 +148,7 @@ def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int
     t0 = time.perf_counter()
     Scheduler(graph, Path("/tmp")).run()
     secs = time.perf_counter() - t0
-    usage = dict(nodes["src"].usage.by_thread)
-    usage.update({name: node.usage for name, node in nodes.items() if name != "src"})
+    usage = {name: node.usage for name, node in nodes.items()}
     return Result(secs, nodes["sink"].latencies, usage, nodes["sink"].rss)
 
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from s2s_flow.errors import ConfigError
 
-__all__ = ["conf_dir", "compose", "config_error", "redact", "search_path", "with_search_path"]
+__all__ = ["conf_dir", "compose", "config_error", "given_search_path", "redact", "search_path", "with_search_path"]
 
 _SECRET = re.compile(r"(api_?key|token|secret|password)", re.I)
 

@@ -279,8 +279,8 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
     notes.append("drops: " + (", ".join(f"{e} {d}" for e, d in drops.items()) if drops else "none"))
     waited = rep["summary"].get("ring_wait_ms", {}).get("p50")
     if waited is not None and waited >= QUEUED_NOTE_MS:
-        notes.append(f"turns waited {waited:.0f} ms (p50) in rings for a stage still busy with an earlier turn: "
-                     "the input came faster than the stages (a file? io.realtime=true paces it like a microphone)")
+        notes.append(f"turns waited {waited:.0f} ms (p50) in rings for a stage still busy with an earlier "
+                     "turn: the input came faster than the stages could take it")
     table.caption = "; ".join(notes)
     table.caption_justify = "left"
     console.print(table)

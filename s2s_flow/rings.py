@@ -224,7 +224,8 @@ class Ring:
     def put(self, item: Any, deferred: list[Any] | None = None) -> bool:
         """Add an item; returns False when the policy dropped something (this or the oldest).
 
-        With ``deferred``, waking the consumer is left to the caller (:meth:`Inbox.wake`).
+        With ``deferred``, the consumer's wake-up is added to that list instead of done now
+        (:meth:`Inbox.wake`); the caller does it with :func:`wake_all` or its next block.
         """
         with self._lock:
             if self._closed:
@@ -330,13 +331,12 @@ class Ring:
             self.inbox.wake()
 
     def _room_made(self, deferred: list[Any] | None = None) -> None:
-        """With the lock held, after items left: wake the producers waiting for room."""
-        for waiter in self._room:
-            if deferred is None:
-                waiter.release()
-            else:
-                deferred.append(waiter)
-        self._room.clear()
+        """With the lock held, after items left: wake the producers waiting for room (or defer it)."""
+        if deferred is None:
+            wake_all(self._room)
+        else:
+            deferred.extend(self._room)
+            self._room.clear()
 
     @property
     def closed(self) -> bool:

@@ -353,17 +353,13 @@ class Scheduler:
     def _forward(self, run: _Running, pending: list[Any], wakes: list[Any] | None = None) -> None:
         """Send collected outputs, one lock per output ring, then clear the list.
 
-        With ``wakes``, consumers are woken later (``Inbox.wake``): the end of a batch is
-        followed at once by this thread's next wait, which does it.
+        With ``wakes``, consumers are woken later (see ``rings.wake_all``): the end of a batch
+        is followed at once by this thread's next ``Inbox.wait``, which does it.
         """
         if not pending:
             return
         if len(pending) == 1:  # the common live case
-            port, msg = run.route(pending.pop())
-            if not 0 < msg.turn < self._epoch:
-                self.trace.emitted(run.table, [msg], _now())
-                for ring in run.outputs.get(port, ()):
-                    ring.put(msg, wakes)
+            self._emit(run, (pending.pop(),), wakes)
             return
         grouped = run.by_port(pending[:])
         pending.clear()
@@ -377,25 +373,22 @@ class Scheduler:
             for ring in run.outputs.get(port, ()):
                 ring.put_many(msgs, wakes)
 
-    def _emit(self, run: _Running, out: Iterable[Any] | Message | None) -> None:
+    def _emit(self, run: _Running, out: Iterable[Any] | Message | None, wakes: list[Any] | None = None) -> None:
         """Send outputs one by one as they are made (sources, streaming generators, finish())."""
         if out is None:
             return
         if isinstance(out, Message):
             out = (out,)
-        table, emitted, outputs, ports = run.table, self.trace.emitted, run.outputs, run._ports
+        table, emitted, outputs = run.table, self.trace.emitted, run.outputs
         for item in out:
-            if type(item) is tuple:
-                port, msg = run.route(item)
-            else:
-                msg, port = item, ports.get(type(item)) or run.port_for(type(item))
+            port, msg = run.route(item)
             if 0 < msg.turn < self._epoch or self._stopped:
                 if isinstance(out, Generator):
                     out.close()  # e.g. closes a streaming HTTP request of an interrupted turn
                 return
             emitted(table, [msg], _now())
             for ring in outputs.get(port, ()):
-                ring.put(msg)
+                ring.put(msg, wakes)
 
     def _close_outputs(self, run: _Running) -> None:
         for rings in run.outputs.values():

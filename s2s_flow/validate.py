@@ -149,9 +149,8 @@ def _unfed(graph: Graph, spec: NodeSpec, port: str, conf_dir: Path | None) -> Co
                      for out, t in other.cls.outputs.items() if issubclass(t, typ)]
         edge = f"'{producers[0] if producers else '...'} -> {spec.name}.{port}'"
         offer = f" ({wanted} comes from {', '.join(producers)})" if producers else f" (nothing here makes {wanted})"
-        replaced = (" Note that edges=[...] on the command line replaces the whole list, including edges a "
-                    "config group adds (io=mic wires its partial transcriber)"
-                    if any(e.explicit for e in graph.edges) else "")
+        replaced = (" If you set edges=[...] on the command line: it replaces the whole list, including the "
+                    "edges a config group adds" if any(e.explicit for e in graph.edges) else "")
         return ConfigError(f"{spec.label} is outside the chain, so only an explicit edge feeds its input {port!r}: "
                            f"add {edge} to edges{offer}.{replaced}")
     idx = graph.chain.index(spec.name)
