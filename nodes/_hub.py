@@ -109,6 +109,16 @@ def local_dir(model: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+def model_path(model: str) -> str:
+    """A model given as a local file or directory (``~`` allowed) as a full path; a hub id as is.
+
+    Nodes keep this, not what the user typed: the loaders do not expand ``~``, and would take
+    ``~/models/x`` for a malformed hub id.
+    """
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
 def check_available(repo_id: str, backend: str, *, hint: str = "", marker: str = "config.json") -> None:
     """Fail fast, before the backend's heavy imports, when a hub model is neither cached nor reachable.
 

@@ -75,6 +75,15 @@ def llama_cpp_reply(tiny_llama_server: str, tmp_path_factory: pytest.TempPathFac
 
 
 @BOTH
+def test_a_model_directory_given_from_home_loads(cls, tiny_llama: TinyLlama, tmp_path, monkeypatch):
+    """The loaders do not expand ``~``: the node must, or '~/x' is taken for a bad hub id."""
+    monkeypatch.setenv("HOME", str(tiny_llama.hf_dir.parent))
+    node = local_node(cls, f"~/{tiny_llama.hf_dir.name}", tmp_path, max_tokens=4, **GREEDY)
+    assert node.model == str(tiny_llama.hf_dir.resolve())
+    assert text_of(turn(node, USER))
+
+
+@BOTH
 def test_greedy_reply_is_the_same_text_as_llama_cpp_through_the_chat_node(
     cls, tiny_llama: TinyLlama, llama_cpp_reply: str, tmp_path
 ):

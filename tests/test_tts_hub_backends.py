@@ -149,7 +149,8 @@ def test_a_local_model_directory_may_be_given_from_home(tmp_path, monkeypatch) -
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "kokoro").mkdir()
     (tmp_path / "qwen3-tts").mkdir()
-    KokoroTTS(model="~/kokoro")  # a directory, not a hub name: accepted
-    Qwen3TTS(model="~/qwen3-tts")
+    # a directory, not a hub name: accepted, and kept expanded for the loaders, which do not expand ~
+    assert KokoroTTS(model="~/kokoro").model == str(tmp_path / "kokoro")
+    assert Qwen3TTS(model="~/qwen3-tts").model == str(tmp_path / "qwen3-tts")
     with pytest.raises(ConfigError, match="neither a local Kokoro directory"):
         KokoroTTS(model="~/nothing-here")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, ClassVar
 
+from nodes._hub import model_path
 from nodes._playback import truncate_to_heard
 from nodes._remote import RemoteLLM, check_range
 from nodes.llm._conversation import Conversation, Exchange, reply_deltas
@@ -56,7 +57,7 @@ class LocalLLM(Node):
         check_range(max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
         check_range(0 <= temperature <= 2, "temperature", temperature, "0 (greedy) to 2")
         check_range(0 < top_p <= 1, "top_p", top_p, "in (0, 1]; 1 turns it off")
-        self.model = model
+        self.model = model_path(model)
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, float(temperature), top_p, seed
         self.enable_thinking = enable_thinking
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -69,6 +70,8 @@ class LocalLLM(Node):
         #: keep the model's key/value cache between turns: a turn then only encodes what follows
         #: the longest prefix it shares with the previous prompt and reply (history, system prompt)
         self.prompt_cache = prompt_cache
+        self._cache: Any = None  # the key/value cache kept between turns
+        self._cache_ids: list[int] = []  # the tokens it holds
         self.last_prompt_reused = 0  # prompt tokens the last reply took from the cache
         self.last_reply_tokens = 0  # tokens generated for the last reply (logs, tests)
         self.last_stop = ""  # why it ended: "eos", "length" or "interrupted"
@@ -148,6 +151,31 @@ class LocalLLM(Node):
         stop = self._stop
         if stop is not None:
             stop.set()
+
+    # -- the prompt cache: the backend trims and makes caches, the rest is shared ---------
+
+    def reusable_cache(self, prompt_ids: list[int]) -> tuple[Any, int]:
+        """(cache, prompt tokens it already holds): the kept cache cut back to what this prompt
+        shares with it, or a fresh one; (None, 0) when prompt_cache is off or the model's cache
+        cannot be cut (sliding windows, recurrent state)."""
+        self.last_prompt_reused = 0
+        if not self.prompt_cache:
+            return None, 0
+        cache, self._cache, cached = self._cache, None, self._cache_ids  # in use: never shared
+        if cache is not None:
+            keep = shared_prefix(cached, prompt_ids)
+            if keep > 0 and self.trim_cache(cache, len(cached) - keep):
+                self.last_prompt_reused = keep
+                return cache, keep
+        return self.new_cache(), 0
+
+    def trim_cache(self, cache: Any, drop: int) -> bool:
+        """Drop the last ``drop`` tokens from ``cache``; False when it cannot be cut."""
+        raise NotImplementedError
+
+    def new_cache(self) -> Any:
+        """An empty cache for this model, or None when it could not be cut later."""
+        raise NotImplementedError
 
     def _reply(self, turn: int) -> Iterator[str]:
         if turn < self._stale_below:

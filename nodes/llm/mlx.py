@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, hub_snapshot
-from nodes.llm._local import LocalLLM, shared_prefix
+from nodes.llm._local import LocalLLM
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -28,8 +28,6 @@ class MLXLLM(LocalLLM):
         """``options``: the generation and history options of every local LLM (``LocalLLM``)."""
         super().__init__(model=model, **options)
         self._model: Any = None
-        self._cache: Any = None  # the prompt cache kept between turns (prompt_cache)
-        self._cache_ids: list[int] = []  # the tokens it holds
 
     def setup(self) -> None:
         ensure_installed("mlx", "mlx_lm", extra="mlx")
@@ -66,7 +64,7 @@ class MLXLLM(LocalLLM):
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         if self.seed is not None:
             self._mx.random.seed(self.seed)
-        cache, keep = self._reusable_cache(prompt_ids)
+        cache, keep = self.reusable_cache(prompt_ids)
         steps = self._mlx_lm.stream_generate(
             self._model, self._tokenizer, prompt_ids[keep:], max_tokens=self.max_tokens, sampler=self._sampler,
             prompt_cache=cache,
@@ -91,22 +89,13 @@ class MLXLLM(LocalLLM):
             if cache is not None:
                 self._keep_cache(cache, prompt_ids + tokens)
 
-    def _reusable_cache(self, prompt_ids: list[int]) -> tuple[Any, int]:
-        """(cache, prompt tokens it already holds): the kept cache trimmed to what this prompt
-        shares with it, or a fresh one; (None, 0) when prompt_cache is off or it cannot be trimmed."""
-        self.last_prompt_reused = 0
-        if not self.prompt_cache:
-            return None, 0
-        caches = self._caches
-        cache, self._cache, cached = self._cache, None, self._cache_ids  # in use: never shared
-        if cache is not None:
-            keep = shared_prefix(cached, prompt_ids)
-            if keep > 0:
-                caches.trim_prompt_cache(cache, len(cached) - keep)
-                self.last_prompt_reused = keep
-                return cache, keep
-        cache = caches.make_prompt_cache(self._model)
-        return (cache, 0) if caches.can_trim_prompt_cache(cache) else (None, 0)
+    def trim_cache(self, cache: Any, drop: int) -> bool:
+        self._caches.trim_prompt_cache(cache, drop)
+        return True
+
+    def new_cache(self) -> Any:
+        cache = self._caches.make_prompt_cache(self._model)
+        return cache if self._caches.can_trim_prompt_cache(cache) else None
 
     def _keep_cache(self, cache: Any, known: list[int]) -> None:
         """Keep the cache for the next turn with the tokens it holds (the prompt, then the reply)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from nodes._hub import check_available, ensure_installed, load_offline_first
 from nodes._torch import check_device, pick_device
-from nodes.llm._local import DTYPES, LocalLLM, shared_prefix
+from nodes.llm._local import DTYPES, LocalLLM
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -39,8 +39,6 @@ class TransformersLLM(LocalLLM):
         self.device, self.dtype = device, dtype
         self._model: Any = None
         self._thread: threading.Thread | None = None
-        self._cache: Any = None  # the DynamicCache kept between turns (prompt_cache)
-        self._cache_ids: list[int] = []  # the tokens it holds
 
     def setup(self) -> None:
         ensure_installed("torch", "transformers", extra="transformers")
@@ -95,7 +93,7 @@ class TransformersLLM(LocalLLM):
             kwargs |= {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        cache = self._reusable_cache(prompt_ids)
+        cache, _ = self.reusable_cache(prompt_ids)
         if cache is not None:
             kwargs |= {self._cache_kwarg: cache, "return_dict_in_generate": True}
         failed: list[BaseException] = []
@@ -127,20 +125,14 @@ class TransformersLLM(LocalLLM):
         if failed:
             raise failed[0]
 
-    def _reusable_cache(self, prompt_ids: list[int]) -> Any:
-        """The kept cache cut back to what this prompt shares with it, or a fresh one; None when
-        prompt_cache is off or the model's cache cannot be cut (sliding windows, recurrent state)."""
-        self.last_prompt_reused = 0
-        if not self.prompt_cache:
-            return None
-        cache, self._cache, cached = self._cache, None, self._cache_ids  # in use: never shared
-        if cache is not None and cache.is_croppable:
-            keep = shared_prefix(cached, prompt_ids)
-            if keep > 0:
-                if cache.get_seq_length() > keep:
-                    cache.crop(keep - cache.get_seq_length())  # a negative count: what to drop
-                self.last_prompt_reused = keep
-                return cache
+    def trim_cache(self, cache: Any, drop: int) -> bool:
+        if not cache.is_croppable:
+            return False
+        if drop > 0:
+            cache.crop(-drop)  # transformers 5.2 takes a negative count: what to drop
+        return True
+
+    def new_cache(self) -> Any:
         cache = self._tf.DynamicCache(config=self._model.config)
         return cache if cache.is_croppable else None
 

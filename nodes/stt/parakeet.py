@@ -19,6 +19,7 @@ from nodes._hub import (
     hf_offline,
     hub_file,
     hub_snapshot,
+    model_path,
 )
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -61,7 +62,7 @@ class ParakeetSTT(UtteranceSTT):
                               "path (.nemo file, or an MLX directory with config.json + model.safetensors).")
         self.backend = ("mlx" if _apple_silicon() else "nemo") if backend == "auto" else backend
         # the default names the NeMo checkpoint; MLX reads its own conversion of the same model
-        self.model = MLX_MODEL if self.backend == "mlx" and model == NEMO_MODEL else model
+        self.model = MLX_MODEL if self.backend == "mlx" and model == NEMO_MODEL else model_path(model)
         self.device = device
         self.dtype = dtype
         self._asr = None

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from nodes._hub import hf_offline, load_offline_first, local_dir
+from nodes._hub import hf_offline, load_offline_first, local_dir, model_path
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -72,7 +72,7 @@ class WhisperSTT(UtteranceSTT):
             raise ConfigError(f"stt.cpu_threads={cpu_threads} must be >= 0 (0: one per core, at most 4).")
         if beam_size < 1:
             raise ConfigError(f"stt.beam_size={beam_size} must be >= 1 (1: greedy, fastest).")
-        self.model = model
+        self.model = model_path(model)
         self.language = language
         self.compute_type = compute_type
         self.cpu_threads = cpu_threads

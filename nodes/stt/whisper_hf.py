@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nodes._hub import check_available, ensure_installed, load_offline_first
+from nodes._hub import check_available, ensure_installed, load_offline_first, model_path
 from nodes._torch import check_device, pick_device
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -43,7 +43,7 @@ class WhisperHFSTT(UtteranceSTT):
                               "(auto: float16 on a GPU, float32 on CPU).")
         if beam_size < 1:
             raise ConfigError(f"stt.beam_size={beam_size} must be >= 1 (1: greedy, fastest).")
-        self.model = model
+        self.model = model_path(model)
         self.language = language
         self.device = device
         self.dtype = dtype

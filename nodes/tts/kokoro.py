@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes._hub import ensure_installed, hub_file, local_dir, reachable
+from nodes._hub import ensure_installed, hub_file, local_dir, model_path, reachable
 from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError, ModelNotAvailable
 from s2s_flow.node import require
@@ -48,7 +48,7 @@ class KokoroTTS(SentenceTTS):
                               f"*.pth, voices/) nor a known hub model ({', '.join(_WEIGHTS)}).")
         if not voice.strip():
             raise ConfigError("tts.voice is empty: name a Kokoro voice, e.g. tts.voice=af_heart.")
-        self.model, self.voice, self.lang_code = model, voice, lang_code
+        self.model, self.voice, self.lang_code = model_path(model), voice, lang_code
         self.speed, self.device = speed, device
         self._pipeline: Any = None
         self._voice_arg = ""

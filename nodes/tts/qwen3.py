@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes._hub import ensure_installed, hub_snapshot, load_offline_first, local_dir
+from nodes._hub import ensure_installed, hub_snapshot, load_offline_first, local_dir, model_path
 from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -53,7 +53,7 @@ class Qwen3TTS(SentenceTTS):
                               "or a local directory with the model's files.")
         if not speaker.strip():
             raise ConfigError("tts.speaker is empty: name a CustomVoice speaker, e.g. tts.speaker=Ryan.")
-        self.model, self.speaker, self.language, self.instruct = model, speaker, language, instruct
+        self.model, self.speaker, self.language, self.instruct = model_path(model), speaker, language, instruct
         self.quant, self.chunk_frames = quant.upper(), chunk_frames
         self.backend = backend
         if backend == "auto":
