@@ -100,7 +100,7 @@ def test_on_interrupt_from_another_thread_stops_the_stream_at_once(api, tmp_path
     next(gen)
     threading.Timer(0.2, node.on_interrupt, args=(2,)).start()
     rest = list(gen)  # ends by itself once interrupted
-    assert rest[-1].end and "300" not in text_of(rest)  # cut long before the count (about 30 s) ends
+    assert rest[-1].end and len(rest) < 200  # cut long before the count (about 1800 tokens, 30 s) ends
     assert wait_idle(api), "llama-server kept generating for a closed stream"
 
 

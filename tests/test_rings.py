@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from s2s_flow import rings
 from s2s_flow.rings import Inbox, Ring, RingClosed, wake_all
+from tests.support.managed import wait_until
 
 try:
     from s2s_flow import _handoff
@@ -123,14 +124,13 @@ def test_blocked_producer_counts_blocked_time_and_resumes_when_consumer_takes():
     ring.put("a")
     t = threading.Thread(target=ring.put, args=("b",))
     t.start()
-    deadline = time.monotonic() + 5
-    while not ring._room and time.monotonic() < deadline:  # the producer is waiting for room
-        time.sleep(0.001)
+    assert wait_until(lambda: ring._room, 5, 0.001)  # the producer is waiting for room
     assert len(ring._room) == 1 and len(ring) == 1
+    time.sleep(0.05)
     assert ring.get(1) == "a"
     t.join(1)
     assert ring.get(1) == "b"
-    assert ring.stats().blocked_s > 0
+    assert ring.stats().blocked_s >= 0.05  # at least the time it waited for room
 
 
 def test_close_wakes_a_blocked_producer_with_ring_closed():
@@ -232,9 +232,7 @@ def test_a_deferred_wake_waits_for_the_putter_then_delivers():
     t = threading.Thread(target=consume, daemon=True)
     t.start()
     asleep.wait(5)
-    deadline = time.monotonic() + 5
-    while inbox._waiter is None and time.monotonic() < deadline:  # the consumer sleeps
-        time.sleep(0.001)
+    assert wait_until(lambda: inbox._waiter is not None, 5, 0.001)  # the consumer sleeps
     wakes: list = []
     ring.put("x", wakes)
     assert len(wakes) == 1 and inbox._waiter is None  # taken for later, not released
@@ -253,9 +251,7 @@ def test_deferred_wakes_are_done_before_the_putter_blocks_for_room():
     got: list = []
     consumer = threading.Thread(target=lambda: got.extend(m for _, i, _ in first.wait(60)[1] for m in i), daemon=True)
     consumer.start()
-    deadline = time.monotonic() + 5
-    while first._waiter is None and time.monotonic() < deadline:
-        time.sleep(0.001)
+    assert wait_until(lambda: first._waiter is not None, 5, 0.001)
 
     def produce() -> None:
         wakes: list = []

@@ -18,6 +18,7 @@ from s2s_flow.graph import build_graph
 from s2s_flow.messages import Transcript
 from s2s_flow.scheduler import Scheduler
 from s2s_flow.validate import validate
+from tests.support.managed import wait_until
 from tests.support.nodes import SETUP_BARRIERS
 
 T = "tests.support.nodes."
@@ -76,13 +77,13 @@ def test_a_node_stuck_in_process_is_closed_to_unblock_it_when_another_fails(tmp_
 def test_setup_runs_in_parallel_and_a_setup_failure_names_the_node(tmp_path):
     SETUP_BARRIERS["overlap"] = threading.Barrier(2)  # passed only by two setups running at once
     s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
-                             "slow": {"_target_": T + "SlowSetup", "seconds": 0.0, "meet": "overlap"}},
-                  nodes={"slow2": {"_target_": T + "SlowSetup", "seconds": 0.0, "meet": "overlap"}},
+                             "slow": {"_target_": T + "SlowSetup", "meet": "overlap"}},
+                  nodes={"slow2": {"_target_": T + "SlowSetup", "meet": "overlap"}},
                   edges=["up.text -> slow2.text"])
     s.run()
     assert {e["node"] for e in s.trace.events if e["kind"] == "setup"} >= {"slow", "slow2"}
     s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource"}, "up": {"_target_": T + "Upper"},
-                             "bad": {"_target_": T + "SlowSetup", "seconds": 0.0, "fail": True}})
+                             "bad": {"_target_": T + "SlowSetup", "fail": True}})
     with pytest.raises(NodeFailed, match="node 'bad' failed: RuntimeError: model file is corrupt"):
         s.run()
 
@@ -103,9 +104,7 @@ def test_interrupt_flushes_stale_turns_closes_the_stream_and_lets_the_new_turn_t
     llm, out = node(s, "llm"), node(s, "out")
 
     def feed() -> None:  # a user turn, then barge-in by turn 2 while turn 1 streams
-        deadline = time.monotonic() + 10
-        while not s._runs["llm"].inbox.rings and time.monotonic() < deadline:
-            time.sleep(0.005)  # the session's rings exist once setup is over
+        wait_until(lambda: s._runs["llm"].inbox.rings, 10, 0.005)  # the session's rings exist after setup
         ring = s._runs["llm"].inbox.rings[0]
         ring.put(Transcript(turn=1, text="hello"))
         time.sleep(0.15)

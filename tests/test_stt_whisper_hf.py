@@ -68,6 +68,7 @@ def test_a_cuda_device_torch_cannot_see_is_an_answer_before_the_model_loads(tiny
         return
     with pytest.raises(ConfigError, match=r"stt.device=cuda but torch sees no CUDA GPU: use stt.device=auto or cpu"):
         stt.setup()
+    assert stt._processor is None  # refused before anything was loaded
 
 
 def test_a_local_whisper_checkpoint_loads_and_transcribes_real_speech(tiny_whisper_dir, tmp_path):

@@ -141,6 +141,25 @@ def test_barge_in_closes_the_stream_and_stops_the_sentence(tmp_path) -> None:
         assert {a.text for a in out if len(a.pcm)} == {SECOND}  # the next turn speaks normally
 
 
+def test_a_barge_in_just_before_the_request_sends_nothing(tmp_path) -> None:
+    """An interrupt between the turn's start and the client's begin() (which forgets the last
+    abort) must not be lost: the sentence is dropped, not synthesized whole."""
+    with SpeechServer(api_key=KEY) as server:
+        node = make(tmp_path, server.base_url)
+        begin = node.client.begin
+
+        def interrupted_then_begin() -> None:
+            node.on_interrupt(2)
+            begin()
+
+        node.client.begin = interrupted_then_begin
+        out = list(node.process("text", TextDelta(turn=1, text=FIRST, sentence_end=True, end=True)))
+        assert not any(len(a.pcm) for a in out) and server.requests == []
+        node.client.begin = begin
+        out = list(node.process("text", TextDelta(turn=2, text=SECOND, sentence_end=True, end=True)))
+        assert {a.text for a in out if len(a.pcm)} == {SECOND} and len(server.requests) == 1
+
+
 @pytest.mark.parametrize("subtype", ["PCM_16", "PCM_32", "FLOAT"])
 def test_a_stereo_wav_reply_is_mixed_to_mono_at_its_true_level(subtype) -> None:
     import io

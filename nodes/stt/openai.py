@@ -57,7 +57,6 @@ class OpenAISTT(UtteranceSTT):
         if self.language != "auto":
             data["language"] = self.language
         files = {"file": ("speech.wav", wav_bytes(audio, self.input_rate), "audio/wav")}
-        self.client.begin()
         answer = self.client.post_json(
             "/audio/transcriptions", data, files=files, api="transcription endpoint",
             hint_404="check stt.base_url (the API root, usually ending in /v1) and that the server "

@@ -102,18 +102,17 @@ SETUP_BARRIERS: dict[str, threading.Barrier] = {}  # name -> a barrier SlowSetup
 
 
 class SlowSetup(Node):
-    """A setup that takes ``seconds``, or, with ``meet``, waits for the other SlowSetup nodes
-    naming the same barrier: they pass only if their setups run at the same time."""
+    """A setup that, with ``meet``, waits for the other SlowSetup nodes naming the same
+    barrier: they pass only if their setups run at the same time."""
 
     inputs = {"text": TextDelta}
 
-    def __init__(self, *, seconds: float = 0.2, fail: bool = False, meet: str = ""):
-        self.seconds, self.fail, self.meet = seconds, fail, meet
+    def __init__(self, *, fail: bool = False, meet: str = ""):
+        self.fail, self.meet = fail, meet
 
     def setup(self) -> None:
         if self.meet:
             SETUP_BARRIERS[self.meet].wait(timeout=5)  # BrokenBarrierError if run one after another
-        time.sleep(self.seconds)
         if self.fail:
             raise RuntimeError("model file is corrupt")
 
