@@ -129,12 +129,12 @@ class Result:
 def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0,
               pure_python: bool = False) -> Result:
     if pure_python:
-        saved = rings.Waiter, rings.block
-        rings.Waiter, rings.block = rings._Waiter, rings._block
+        saved = rings.Waiter, rings.block, rings.wake_now
+        rings.Waiter, rings.block, rings.wake_now = rings._Waiter, rings._block, rings._wake_now
         try:
             return run_rings(n, pace_hz, capacity=capacity, rss_every=rss_every)
         finally:
-            rings.Waiter, rings.block = saved
+            rings.Waiter, rings.block, rings.wake_now = saved
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
     cfg = {"chain": ["source", *passes, "sink"],

@@ -9,6 +9,9 @@
  *
  * block(waiter, wakes, timeout) drops the GIL, releases every waiter in ``wakes`` (and
  * empties the list), then waits on ``waiter``: the woken threads find the GIL free.
+ * wake_now(wakes) does the release alone, for a thread that goes on running (a stream
+ * that hands over each item as it is made): it lets go of the GIL for that moment, so a
+ * woken thread that runs at once (on one core, it may preempt this one) finds it free.
  * Waiter is a one-shot lock, created locked, that release() unlocks once; once woken it
  * stays woken. A signal interrupts the wait so that its handler runs (main thread).
  *
@@ -89,30 +92,84 @@ static long long monotonic_ns(void) {
 #endif
 }
 
+/* Take the waiters of ``wakes`` that are still to be released, emptying the list: each is
+ * marked released and kept alive in held[] (stack or heap) until drop_taken().
+ * Returns 0 when done; -1 when refused with nothing taken (error set); 1 when taken but the
+ * list could not be emptied (error set: the caller still releases what it took). */
+typedef struct {
+    PyObject *stack[STACK_WAKES], **held;
+    Py_ssize_t k;
+} Taken;
+
+static int take_wakes(PyObject *wakes, Taken *t, const char *who) {
+    Py_ssize_t n = PyList_GET_SIZE(wakes);
+    t->held = t->stack;
+    t->k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* check everything before taking anything */
+        if (!PyObject_TypeCheck(PyList_GET_ITEM(wakes, i), &WaiterType)) {
+            PyErr_Format(PyExc_TypeError, "%s(): wakes must hold Waiter objects", who);
+            return -1;
+        }
+    }
+    if (n > STACK_WAKES && (t->held = PyMem_New(PyObject *, n)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Waiter *w = (Waiter *)PyList_GET_ITEM(wakes, i);
+        if (!w->released) {
+            w->released = 1;
+            Py_INCREF(w);  /* kept alive until its lock is released */
+            t->held[t->k++] = (PyObject *)w;
+        }
+    }
+    return PyList_SetSlice(wakes, 0, n, NULL) == 0 ? 0 : 1;
+}
+
+/* Without the GIL: wake every taken waiter. */
+static void release_taken(Taken *t) {
+    for (Py_ssize_t j = 0; j < t->k; j++)
+        PyThread_release_lock(((Waiter *)t->held[j])->lock);
+}
+
+/* With the GIL: let go of the taken waiters. */
+static void drop_taken(Taken *t) {
+    for (Py_ssize_t j = 0; j < t->k; j++)
+        Py_DECREF(t->held[j]);
+    if (t->held != t->stack)
+        PyMem_Free(t->held);
+}
+
+static PyObject *wake_now(PyObject *module, PyObject *wakes) {
+    if (!PyList_Check(wakes)) {
+        PyErr_SetString(PyExc_TypeError, "wake_now(): wakes must be a list");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(wakes) == 0)
+        Py_RETURN_NONE;
+    Taken t;
+    int taken = take_wakes(wakes, &t, "wake_now");
+    if (taken < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    release_taken(&t);
+    Py_END_ALLOW_THREADS
+    drop_taken(&t);
+    if (taken != 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *block(PyObject *module, PyObject *args) {
     PyObject *waiter, *wakes;
     double timeout;
     if (!PyArg_ParseTuple(args, "O!O!d:block", &WaiterType, &waiter, &PyList_Type, &wakes, &timeout))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(wakes);
-    for (Py_ssize_t i = 0; i < n; i++) {  /* check everything before taking anything */
-        if (!PyObject_TypeCheck(PyList_GET_ITEM(wakes, i), &WaiterType)) {
-            PyErr_SetString(PyExc_TypeError, "block(): wakes must hold Waiter objects");
-            return NULL;
-        }
-    }
-    PyObject *stack[STACK_WAKES], **held = stack;
-    if (n > STACK_WAKES && (held = PyMem_New(PyObject *, n)) == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Waiter *w = (Waiter *)PyList_GET_ITEM(wakes, i);
-        if (!w->released) {
-            w->released = 1;
-            Py_INCREF(w);  /* kept alive until its lock is released below */
-            held[k++] = (PyObject *)w;
-        }
-    }
+    Taken t;
+    int taken = take_wakes(wakes, &t, "block");
+    if (taken < 0)
+        return NULL;
+    int listed = taken == 0;  /* else: release what was taken, do not wait, raise */
     PyObject *result = NULL;
     PyLockStatus got = PY_LOCK_FAILURE;
     PY_TIMEOUT_T micros = -1;
@@ -121,12 +178,10 @@ static PyObject *block(PyObject *module, PyObject *args) {
         micros = timeout * 1e6 >= (double)PY_TIMEOUT_MAX ? PY_TIMEOUT_MAX : (PY_TIMEOUT_T)(timeout * 1e6);
         deadline = monotonic_ns() + (long long)micros * 1000;
     }
-    int listed = PyList_SetSlice(wakes, 0, n, NULL) == 0;
     PyThread_type_lock own = ((Waiter *)waiter)->lock;
     Py_INCREF(waiter);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < k; j++)
-        PyThread_release_lock(((Waiter *)held[j])->lock);
+    release_taken(&t);
     if (listed)
         got = PyThread_acquire_lock_timed(own, micros, 1);
     Py_END_ALLOW_THREADS
@@ -147,10 +202,7 @@ static PyObject *block(PyObject *module, PyObject *args) {
     if (!PyErr_Occurred())
         result = PyBool_FromLong(got == PY_LOCK_ACQUIRED);
     Py_DECREF(waiter);
-    for (Py_ssize_t j = 0; j < k; j++)
-        Py_DECREF(held[j]);
-    if (held != stack)
-        PyMem_Free(held);
+    drop_taken(&t);
     return result;
 }
 
@@ -158,6 +210,9 @@ static PyMethodDef module_methods[] = {
     {"block", block, METH_VARARGS,
      "block(waiter, wakes, timeout) -> bool: without the GIL, release the waiters in wakes (emptying\n"
      "the list), then wait on waiter up to timeout seconds (< 0: no limit); True when woken."},
+    {"wake_now", wake_now, METH_O,
+     "wake_now(wakes): release the waiters in wakes (emptying the list) with the GIL let go for the\n"
+     "moment, so that a woken thread that runs at once finds it free."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,8 +15,11 @@ Waking a thread costs the most on a hop, so it is done once and at the right mom
 node that hands over a batch defers its consumers' wake-ups (``deferred``) to the moment it
 blocks itself, and :func:`block` (C, ``s2s_flow/_handoff.c``) releases them and goes to
 sleep without holding the GIL in between: the woken thread finds the GIL free instead of
-sleeping a second time on it. Without the C module, a pure-Python stand-in does the same
-in the same order, at the price of that second thread switch.
+sleeping a second time on it. A stream that hands over each item as it is made (a
+source, an LLM yielding tokens) cannot wait for its next block, which may be a network
+read: it wakes at once with :func:`wake_now`, which lets go of the GIL for that moment.
+Without the C module, a pure-Python stand-in does the same in the same order, at the
+price of that second thread switch.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "wake_all"]
+__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "wake_all", "wake_now"]
 
 POLICIES = ("block", "drop_oldest", "drop_newest")
 _now = time.monotonic
@@ -66,10 +69,19 @@ def _block(waiter: _Waiter, wakes: list[Any], timeout: float) -> bool:
     return woken
 
 
+def _wake_now(wakes: list[Any]) -> None:
+    """Release the waiters in ``wakes`` (emptying it) for a thread that goes on running.
+
+    The pure-Python stand-in for ``s2s_flow._handoff.wake_now``, which lets go of the GIL
+    for that moment, so that a woken thread that runs at once finds it free.
+    """
+    wake_all(wakes)
+
+
 try:
-    from s2s_flow._handoff import Waiter, block
+    from s2s_flow._handoff import Waiter, block, wake_now
 except ImportError:  # not compiled (no C compiler at install): same behaviour, one more thread switch per hop
-    Waiter, block = _Waiter, _block  # type: ignore[assignment,misc]
+    Waiter, block, wake_now = _Waiter, _block, _wake_now  # type: ignore[assignment,misc]
 
 _NONE: list[Any] = []  # "nothing to wake"; never appended to
 
@@ -145,37 +157,37 @@ class Inbox:
         FIFO order. ``all_inputs_done`` is true once every input ring is closed and empty.
         ``deferred`` wakes are done before this returns or sleeps.
         """
-        rings = self.rings
+        rings, lock, control = self.rings, self.lock, self.control
+        lock.acquire()
         try:
-            with self.lock:
-                while not self.control and not self._ready():
+            while not control:
+                for ring in rings:
+                    if ring._items:
+                        break
+                else:  # nothing yet
                     if self.open == 0:
                         return [], [], True
-                    if not self.sleep(timeout, deferred):
-                        break
-                control: list[Any] = []
-                if self.control:
-                    control = list(self.control)
-                    self.control.clear()
-                data = []
-                for ring in rings:
-                    items = ring._items
-                    if items:
-                        data.append((ring, list(items), list(ring._times)))
-                        items.clear()
-                        ring._times.clear()
-                        if ring._room:
-                            ring._room_made(deferred)  # woken below, once this lock is let go
-                return control, data, False
+                    if self.sleep(timeout, deferred):
+                        continue
+                break  # something came, or the time ran out
+            taken: list[Any] = []
+            if control:
+                taken = list(control)
+                control.clear()
+            data = []
+            for ring in rings:
+                items = ring._items
+                if items:
+                    data.append((ring, list(items), list(ring._times)))
+                    items.clear()
+                    ring._times.clear()
+                    if ring._room:
+                        ring._room_made(deferred)  # woken below, once this lock is let go
+            return taken, data, False
         finally:
+            lock.release()
             if deferred:
                 wake_all(deferred)  # when it did not sleep
-
-    def _ready(self) -> bool:
-        for ring in self.rings:  # noqa: SIM110 - a loop is several times cheaper than any() over a generator
-            if ring._items:
-                return True
-        return False
 
 
 def wake_all(deferred: list[Any]) -> None:
@@ -230,30 +242,41 @@ class Ring:
         with self._lock:
             if self._closed:
                 raise RingClosed(self.name)
-            kept = True
+            kept: bool | None = True
             if len(self._items) >= self.capacity:
-                if self.policy == "block":
-                    self._wait_for_room(deferred)
-                    if self._closed:
-                        raise RingClosed(self.name)
-                elif self.policy == "drop_oldest":
-                    self._items.popleft()
-                    self._times.popleft()
-                    self.drops += 1
-                    kept = False
-                else:
-                    self.drops += 1
-                    return False
-            items = self._items
+                kept = self._overflow(deferred)
+                if kept is None:
+                    return False  # drop_newest: this item is the one dropped
+            items = self._items  # after _overflow: a flush while it waited replaces the deque
             items.append(item)
             self._times.append(_now())
             self.puts += 1
             if len(items) > self.high_water:
                 self.high_water = len(items)
-            inbox = self.inbox
-            if inbox._waiter is not None:
-                inbox.wake(deferred)
+            waiter = self.inbox._waiter
+            if waiter is not None:  # the consumer sleeps: wake it (Inbox.wake, inline)
+                self.inbox._waiter = None
+                if deferred is None:
+                    waiter.release()
+                else:
+                    deferred.append(waiter)
             return kept
+
+    def _overflow(self, deferred: list[Any] | None) -> bool | None:
+        """With the lock held and the ring full, make room by the policy: True when the new
+        item goes in with nothing dropped, False when the oldest was dropped for it, None
+        when the new item itself is dropped."""
+        if self.policy == "block":
+            self._wait_for_room(deferred)
+            if self._closed:
+                raise RingClosed(self.name)
+            return True
+        self.drops += 1
+        if self.policy == "drop_oldest":
+            self._items.popleft()
+            self._times.popleft()
+            return False
+        return None
 
     def put_many(self, items: list[Any], deferred: list[Any] | None = None) -> None:
         """Put several items, taking the lock once per run of items that fits.

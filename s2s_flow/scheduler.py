@@ -27,6 +27,7 @@ from pathlib import Path
 from types import GeneratorType
 from typing import Any
 
+from s2s_flow import rings
 from s2s_flow.errors import NodeFailed, S2SError
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
@@ -58,23 +59,23 @@ class _Running:
         self.inbox = Inbox()
         self.outputs: dict[str, list[Ring]] = {}
         self.thread: threading.Thread | None = None
-        self._ports = {typ: port for port, typ in spec.cls.outputs.items()}
+        self.port_of = {typ: port for port, typ in spec.cls.outputs.items()}
 
     def port_for(self, typ: type) -> str:
         """The output port a message of this type leaves by (checked once per type)."""
-        port = self._ports.get(typ)
+        port = self.port_of.get(typ)
         if port is None:
-            port = next((p for t, p in self._ports.items() if issubclass(typ, t)), None)
+            port = next((p for t, p in self.port_of.items() if issubclass(typ, t)), None)
             if port is None:
                 raise TypeError(f"{self.spec.cls.__name__} yielded a {typ.__name__}, which none of "
                                 f"its outputs ({', '.join(self.spec.cls.outputs) or 'none'}) carries")
-            self._ports[typ] = port
+            self.port_of[typ] = port
         return port
 
     def route(self, item: Any) -> tuple[str, Message]:
         """A bare message goes out by its type; a ``(port, message)`` pair by the port it names."""
         if type(item) is not tuple:
-            return self._ports.get(type(item)) or self.port_for(type(item)), item
+            return self.port_of.get(type(item)) or self.port_for(type(item)), item
         port, msg = item
         if port not in self.spec.cls.outputs:
             raise TypeError(f"{self.spec.cls.__name__} yielded to port {port!r}; its outputs are "
@@ -228,19 +229,19 @@ class Scheduler:
             run.node.ctx.conversation = name
             if index:
                 run.node.reset()
-        rings = []
+        wired = []
         for edge in self.graph.edges:
             ring = Ring(edge.capacity, edge.policy, inbox=self._runs[edge.dst].inbox, name=edge.key)
             ring.dst_port = edge.dst_port  # type: ignore[attr-defined]
             self._runs[edge.src].outputs.setdefault(edge.src_port, []).append(ring)
-            rings.append((edge, ring))
+            wired.append((edge, ring))
         self.trace.event("session", index=index, conversation=name)
         for run in self._runs.values():
             target = self._source_loop if not run.spec.cls.inputs else self._node_loop
             run.thread = threading.Thread(target=target, args=(run,), name=f"node:{run.name}", daemon=True)
             run.thread.start()
         self._wait_threads()
-        for edge, ring in rings:
+        for edge, ring in wired:
             s = ring.stats()
             acc = self.ring_stats.setdefault(edge.key, {"capacity": s.capacity, "policy": s.policy, "puts": 0,
                                                         "drops": 0, "high_water": 0, "blocked_s": 0.0})
@@ -277,15 +278,17 @@ class Scheduler:
                 run.thread.join(max(0.0, deadline - time.monotonic()))
 
     def _source_loop(self, run: _Running) -> None:
+        wakes: list[Any] = []
         try:
-            self._emit(run, run.node.produce())
+            self._emit(run, run.node.produce(), wakes)
             if not self._stopping.is_set():
-                self._emit(run, run.node.finish())
+                self._emit(run, run.node.finish(), wakes)
         except RingClosed:
             pass
         except BaseException as exc:
             self._fail(run.name, exc)
         finally:
+            wake_all(wakes)
             self._close_outputs(run)
 
     def _node_loop(self, run: _Running) -> None:
@@ -306,7 +309,7 @@ class Scheduler:
                 if _STOP in control or self._stopped:
                     return
                 if done:
-                    self._emit(run, node.finish())
+                    self._emit(run, node.finish(), wakes)
                     return
                 now = started = _now()  # one clock read per batch: the batch arrived at once
                 if self._epoch:
@@ -317,18 +320,20 @@ class Scheduler:
                     for msg in items:
                         if 0 < msg.turn < self._epoch:
                             continue  # stale: an interrupt moved past its turn while this batch ran
+                        if pending and _now() - started > BATCH_BUDGET_S:
+                            self._forward(run, pending, wakes)
+                            rings.wake_now(wakes)
+                            started = _now()
                         out = process(port, msg)
                         if out is not None:
                             if type(out) is GeneratorType:
-                                self._forward(run, pending)
-                                self._emit(run, out)
+                                self._forward(run, pending, wakes)
+                                rings.wake_now(wakes)  # before the stream's first step, which may wait
+                                self._emit(run, out, wakes)
                             elif isinstance(out, Message):
                                 pending.append(out)
                             else:
                                 pending.extend(out)
-                            if _now() - started > BATCH_BUDGET_S:
-                                self._forward(run, pending)
-                                started = _now()
                         if self._stopped:
                             return
                 self._forward(run, pending, wakes)
@@ -350,16 +355,24 @@ class Scheduler:
                 fresh.append((ring, [m for m, _ in kept], [t for _, t in kept]))
         return fresh
 
-    def _forward(self, run: _Running, pending: list[Any], wakes: list[Any] | None = None) -> None:
+    def _forward(self, run: _Running, pending: list[Any], wakes: list[Any]) -> None:
         """Send collected outputs, one lock per output ring, then clear the list.
 
-        With ``wakes``, consumers are woken later (see ``rings.wake_all``): the end of a batch
-        is followed at once by this thread's next ``Inbox.wait``, which does it.
+        The consumers' wake-ups are added to ``wakes``, to be done later: at the end of a
+        batch, by this thread's next ``Inbox.wait`` as it blocks; mid-batch, by the caller
+        at once (``wake_now``).
         """
         if not pending:
             return
         if len(pending) == 1:  # the common live case
-            self._emit(run, (pending.pop(),), wakes)
+            msg = pending.pop()
+            port = run.port_of.get(type(msg))  # None for a (port, message) pair or a new type
+            if port is None:
+                port, msg = run.route(msg)
+            if not 0 < msg.turn < self._epoch:
+                self.trace.emitted(run.table, (msg,), _now())
+                for ring in run.outputs.get(port, ()):
+                    ring.put(msg, wakes)
             return
         grouped = run.by_port(pending[:])
         pending.clear()
@@ -373,26 +386,35 @@ class Scheduler:
             for ring in run.outputs.get(port, ()):
                 ring.put_many(msgs, wakes)
 
-    def _emit(self, run: _Running, out: Iterable[Any] | Message | None, wakes: list[Any] | None = None) -> None:
-        """Send outputs one by one as they are made (sources, streaming generators, finish())."""
+    def _emit(self, run: _Running, out: Iterable[Any] | Message | None, wakes: list[Any]) -> None:
+        """Send outputs one by one as they are made (sources, streaming generators, finish()).
+
+        Each output wakes its consumers at once (``wake_now``): the stream's next step may be
+        a long wait (a network read, a paced source).
+        """
         if out is None:
             return
         if isinstance(out, Message):
             out = (out,)
-        table, emitted, outputs = run.table, self.trace.emitted, run.outputs
-        for item in out:
-            port, msg = run.route(item)
+        table, emitted, outputs, port_of = run.table, self.trace.emitted, run.outputs, run.port_of
+        wake_now = rings.wake_now
+        for msg in out:
+            port = port_of.get(type(msg))  # None for a (port, message) pair or a new type
+            if port is None:
+                port, msg = run.route(msg)
             if 0 < msg.turn < self._epoch or self._stopped:
                 if isinstance(out, Generator):
                     out.close()  # e.g. closes a streaming HTTP request of an interrupted turn
                 return
-            emitted(table, [msg], _now())
+            emitted(table, (msg,), _now())
             for ring in outputs.get(port, ()):
                 ring.put(msg, wakes)
+            if wakes:
+                wake_now(wakes)
 
     def _close_outputs(self, run: _Running) -> None:
-        for rings in run.outputs.values():
-            for ring in rings:
+        for port_rings in run.outputs.values():
+            for ring in port_rings:
                 ring.close()
 
     # -- teardown ------------------------------------------------------------------------

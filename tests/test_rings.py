@@ -22,19 +22,20 @@ try:
 except ImportError:  # reported by test_the_install_builds_the_c_hand_over
     _handoff = None
 
-default_hand_over = (rings.Waiter, rings.block)  # what the rings use when nothing patches them
-HAND_OVERS = {"python": (rings._Waiter, rings._block)}
+default_hand_over = (rings.Waiter, rings.block, rings.wake_now)  # what the engine uses unpatched
+HAND_OVERS = {"python": (rings._Waiter, rings._block, rings._wake_now)}
 if _handoff is not None:
-    HAND_OVERS["c"] = (_handoff.Waiter, _handoff.block)
+    HAND_OVERS["c"] = (_handoff.Waiter, _handoff.block, _handoff.wake_now)
 
 
 @pytest.fixture(scope="module", params=sorted(HAND_OVERS), autouse=True)
 def hand_over(request):
     """Module-scoped (hypothesis re-runs a test body many times within one fixture)."""
     with pytest.MonkeyPatch.context() as mp:
-        waiter, block = HAND_OVERS[request.param]
+        waiter, block, wake_now = HAND_OVERS[request.param]
         mp.setattr(rings, "Waiter", waiter)
         mp.setattr(rings, "block", block)
+        mp.setattr(rings, "wake_now", wake_now)
         yield request.param
 
 
@@ -196,7 +197,7 @@ def test_invalid_ring_settings_are_rejected_with_the_fix():
 def test_the_install_builds_the_c_hand_over():
     """The README's install compiles it; without it every hop costs a second thread switch."""
     assert _handoff is not None, "s2s_flow/_handoff.c was not compiled: run scripts/bootstrap.sh (gcc, python3-dev)"
-    assert default_hand_over == (_handoff.Waiter, _handoff.block)
+    assert default_hand_over == (_handoff.Waiter, _handoff.block, _handoff.wake_now)
 
 
 def test_block_wakes_the_given_waiters_then_sleeps_until_released_or_timed_out():
@@ -280,6 +281,41 @@ def test_block_wakes_many_waiters_and_refuses_anything_else():
     assert woken == [True] * 20
     with pytest.raises((TypeError, AttributeError)):
         rings.block(rings.Waiter(), [object()], 0.01)
+
+
+def test_wake_now_wakes_the_given_waiters_and_refuses_anything_else():
+    sleepers = [rings.Waiter() for _ in range(3)]
+    woken: list = []
+    threads = [threading.Thread(target=lambda w=w: woken.append(rings.block(w, [], 5.0)), daemon=True)
+               for w in sleepers]
+    for t in threads:
+        t.start()
+    wakes = list(sleepers)
+    rings.wake_now(wakes)
+    assert wakes == []
+    for t in threads:
+        t.join(5)
+    assert woken == [True] * 3
+    rings.wake_now([])  # nothing to do
+    sleeper = rings.Waiter()
+    bad = [sleeper, object()]
+    with pytest.raises((TypeError, AttributeError)):
+        rings.wake_now(bad)
+    rings.wake_now([sleeper])  # whatever the refusal left, the waiter can still be woken
+    assert rings.block(sleeper, [], 0.0) is True
+
+
+def test_a_put_blocked_for_room_lands_in_the_ring_a_flush_left_behind():
+    """flush() replaces the ring's storage while a producer waits for room: its item must go
+    into the new storage, not the old one that nobody reads any more."""
+    ring = Ring(1, "block")
+    ring.put("old")
+    producer = threading.Thread(target=ring.put, args=("new",), daemon=True)
+    producer.start()
+    assert wait_until(lambda: ring._room, 5, 0.001)  # blocked for room
+    assert ring.flush() == 1
+    producer.join(5)
+    assert not producer.is_alive() and len(ring) == 1 and ring.get(1) == "new"
 
 
 def test_block_refuses_a_bad_list_without_losing_the_waiters_in_it():

@@ -182,6 +182,28 @@ def test_a_node_sending_to_a_port_it_does_not_have_fails_naming_it(tmp_path):
         s.run()
 
 
+@pytest.mark.parametrize(("chain", "consumer"), [
+    ({"src": {"_target_": T + "CountSource", "n": 1}, "stream": {"_target_": T + "Handshake"},
+      "out": {"_target_": T + "Collect"}}, "out"),
+    ({"stream": {"_target_": T + "HandshakeSource"}, "up": {"_target_": T + "Upper"},
+      "out": {"_target_": T + "Collect"}}, "up"),
+], ids=["node", "source"])
+def test_a_yielded_output_reaches_its_consumer_while_the_stream_waits(tmp_path, chain, consumer):
+    """Wake-ups of yielded outputs are not deferred to the thread's next block: the stream's next
+    step may be a long network read (an LLM between tokens, a live source between chunks)."""
+    s = scheduler(tmp_path, chain)
+    stream, out, asleep = node(s, "stream"), node(s, "out"), s._runs[consumer]
+    runner = threading.Thread(target=s.run, daemon=True)
+    runner.start()
+    assert wait_until(lambda: asleep.inbox._waiter is not None, 5, 0.001)  # it needs a wake-up
+    stream.go.set()
+    assert wait_until(lambda: len(out.got) == 1, 5, 0.005), "the first piece was held back"
+    stream.seen.set()
+    runner.join(10)
+    assert stream.in_time == [True]
+    assert [m.text.strip(":").lower() for m in out.got] == ["first", "second"]
+
+
 def test_the_trace_records_a_batch_per_turn_with_its_waits_and_first_marks():
     from s2s_flow.messages import TextDelta
     from s2s_flow.trace import Trace

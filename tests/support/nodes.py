@@ -145,6 +145,41 @@ class Streamer(Node):
         self.interrupted.append(turn)
 
 
+class Handshake(Node):
+    """Once the test says go (its consumer sleeps), yields a piece, then waits until the test
+    says the consumer has it (``seen``) before the next: what a stream already yielded must
+    not wait for the stream's next step."""
+
+    inputs = {"text": Transcript}
+    outputs = {"text": TextDelta}
+
+    def __init__(self) -> None:
+        self.go, self.seen = threading.Event(), threading.Event()
+        self.in_time: list[bool] = []
+
+    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        self.go.wait(10)
+        yield TextDelta(turn=msg.turn, text="first")
+        self.in_time.append(self.seen.wait(10))
+        yield TextDelta(turn=msg.turn, text="second")
+
+
+class HandshakeSource(Node):
+    """The same for a source: one transcript, a wait until it was seen downstream, another."""
+
+    outputs = {"text": Transcript}
+
+    def __init__(self) -> None:
+        self.go, self.seen = threading.Event(), threading.Event()
+        self.in_time: list[bool] = []
+
+    def produce(self) -> Iterator[Transcript]:
+        self.go.wait(10)
+        yield Transcript(turn=1, text="first")
+        self.in_time.append(self.seen.wait(10))
+        yield Transcript(turn=1, text="second")
+
+
 class Split(Node):
     """Returns (not yields) a list per input: the text to one port, its length to another,
     or to a port it does not have (``bad_port``), as a node with a bug would."""
