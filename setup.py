@@ -1,9 +1,11 @@
 """Only the C part of the build; everything else is in pyproject.toml.
 
-s2s_flow/_handoff.c is the rings' GIL hand-over. It is optional: without a C compiler the
-install still succeeds and s2s_flow/rings.py uses its pure-Python stand-in.
+s2s_flow/_handoff.c is the rings' GIL hand-over, s2s_flow/_trace.c the trace's per-batch
+updates. Both are optional: without a C compiler the install still succeeds and
+s2s_flow/rings.py and s2s_flow/trace.py use their pure-Python stand-ins.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("s2s_flow._handoff", ["s2s_flow/_handoff.c"], optional=True)])
+setup(ext_modules=[Extension(f"s2s_flow.{name}", [f"s2s_flow/{name}.c"], optional=True)
+                   for name in ("_handoff", "_trace")])

@@ -5,8 +5,9 @@ Run: python benchmarks/bench_engine.py [--messages 200000] [--rounds 5] [--capac
 The chains move the same mix of 20 ms audio chunks (320 float32 samples) and small text
 messages from a source thread through 6 pass-through threads to a sink, in one process.
 Rounds alternate between the chains, so a noisy neighbour hurts all alike; medians and
-ranges over the rounds are reported. The engine runs twice: with its C hand-over
-(s2s_flow/_handoff.c, what an install builds) and with the pure-Python stand-in. Measured:
+ranges over the rounds are reported. The engine runs twice: with its C parts
+(s2s_flow/_handoff.c and _trace.c, what an install builds) and with their pure-Python
+stand-ins. Measured:
 
 - throughput: messages/s with the source unpaced (the chain saturated);
 - per-hop latency p50/p99: end-to-end latency / 7 hops, source paced at 2 kHz;
@@ -34,7 +35,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from s2s_flow import rings  # noqa: E402
+from s2s_flow import rings, trace  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
 from s2s_flow.messages import AudioChunk, Message, TextDelta  # noqa: E402
 from s2s_flow.node import Node  # noqa: E402
@@ -129,12 +130,13 @@ class Result:
 def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0,
               pure_python: bool = False) -> Result:
     if pure_python:
-        saved = rings.Waiter, rings.block, rings.wake_now
+        saved = rings.Waiter, rings.block, rings.wake_now, trace.native
         rings.Waiter, rings.block, rings.wake_now = rings._Waiter, rings._block, rings._wake_now
+        trace.native = None
         try:
             return run_rings(n, pace_hz, capacity=capacity, rss_every=rss_every)
         finally:
-            rings.Waiter, rings.block, rings.wake_now = saved
+            rings.Waiter, rings.block, rings.wake_now, trace.native = saved
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
     cfg = {"chain": ["source", *passes, "sink"],
@@ -254,10 +256,10 @@ def main() -> None:
     args = ap.parse_args()
 
     chains = {"s2s-flow rings": lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity)}
-    if rings.block is not rings._block:
+    if rings.block is not rings._block and trace.native is not None:
         chains["rings, Python"] = lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity, pure_python=True)
     else:
-        print("s2s_flow/_handoff.c is not built: the engine runs with its pure-Python hand-over")
+        print("s2s_flow/_handoff.c or _trace.c is not built: the engine runs on its pure-Python stand-ins")
     chains["queue.Queue"] = run_queues
     rate: dict[str, list[float]] = {c: [] for c in chains}
     p50: dict[str, list[float]] = {c: [] for c in chains}

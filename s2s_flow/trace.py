@@ -63,6 +63,8 @@ class Trace:
         self.nodes: dict[str, dict[int, NodeTurn]] = {}
         self.events: list[dict[str, Any]] = []  # rare engine events: interrupts, errors, sessions
         self.conversations: dict[int, str] = {}  # turn -> conversation it belongs to
+        if native is not None:  # the same two updates in C; the methods below are the reference
+            self.received, self.emitted = native.received, native.emitted  # type: ignore[method-assign]
 
     def node(self, name: str) -> dict[int, NodeTurn]:
         return self.nodes.setdefault(name, {})
@@ -140,3 +142,11 @@ class Trace:
             "events": [{**e, "t": round(e["t"] - self.t0, 6)} for e in self.events],
             "conversations": {str(k): v for k, v in self.conversations.items()},
         }
+
+
+try:
+    from s2s_flow import _trace as native  # s2s_flow/_trace.c, built by the install
+except ImportError:  # not compiled (no C compiler at install): the Python methods above
+    native = None
+else:
+    native.setup(NodeTurn, Message)

