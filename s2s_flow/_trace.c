@@ -255,6 +255,27 @@ static int ready(void) {
     return 1;
 }
 
+/* The batch as a tuple (new reference), so its items stay valid whatever Python code
+ * (mark(), NodeTurn()) does meanwhile; NULL with an error for an empty or wrong batch. */
+static PyObject *messages_of(PyObject *batch, const char *who) {
+    if (!PyList_Check(batch) && !PyTuple_Check(batch)) {
+        PyErr_Format(PyExc_TypeError, "%s(): the batch must be a list or tuple of messages", who);
+        return NULL;
+    }
+    if (PySequence_Fast_GET_SIZE(batch) == 0) {
+        PyErr_Format(PyExc_IndexError, "%s(): an empty batch", who);
+        return NULL;
+    }
+    return PyList_Check(batch) ? PyList_AsTuple(batch) : Py_NewRef(batch);
+}
+
+/* The run of one turn that starts at i: its turn in *turn (a held reference, replacing the
+ * previous one) and its end, or -1 with an error set. */
+static Py_ssize_t next_run(PyObject *batch, Py_ssize_t i, PyObject **turn) {
+    Py_XSETREF(*turn, Py_XNewRef(turn_of(PyTuple_GET_ITEM(batch, i))));
+    return *turn == NULL ? -1 : run_end(PySequence_Fast_ITEMS(batch), i, PyTuple_GET_SIZE(batch), *turn);
+}
+
 static PyObject *received(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs != 4) {
@@ -264,32 +285,26 @@ static PyObject *received(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *table = args[0], *batch = args[1], *times = args[2], *now = args[3];
     if (!ready())
         return NULL;
-    if (!PyDict_Check(table) || !(PyList_Check(batch) || PyTuple_Check(batch)) || !PyList_Check(times)) {
-        PyErr_SetString(PyExc_TypeError, "received(): a dict, a list of messages and a list of put times");
+    if (!PyDict_Check(table) || !PyList_Check(times)) {
+        PyErr_SetString(PyExc_TypeError, "received(): a dict, a batch of messages and a list of put times");
         return NULL;
     }
     double t_now = PyFloat_AsDouble(now);
     if (t_now == -1.0 && PyErr_Occurred())
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(batch);
-    if (n == 0) {
-        PyErr_SetString(PyExc_IndexError, "received(): an empty batch");
+    if ((batch = messages_of(batch, "received")) == NULL)
         return NULL;
-    }
+    Py_ssize_t n = PyTuple_GET_SIZE(batch);
     if (PyList_GET_SIZE(times) != n) {
+        Py_DECREF(batch);
         PyErr_SetString(PyExc_ValueError, "received(): one put time per message");
         return NULL;
     }
-    /* a tuple, so msgs stays valid whatever Python code (mark(), NodeTurn()) does meanwhile */
-    batch = PyList_Check(batch) ? PyList_AsTuple(batch) : Py_NewRef(batch);
-    if (batch == NULL)
-        return NULL;
     PyObject **msgs = PySequence_Fast_ITEMS(batch);
     Py_INCREF(times);
     PyObject *result = NULL, *turn = NULL;
     for (Py_ssize_t i = 0, j; i < n; i = j) {
-        Py_XSETREF(turn, Py_XNewRef(turn_of(msgs[i])));
-        if (turn == NULL || (j = run_end(msgs, i, n, turn)) < 0)
+        if ((j = next_run(batch, i, &turn)) < 0)
             goto done;
         if (PyList_GET_SIZE(times) < j) {
             PyErr_SetString(PyExc_RuntimeError, "received(): put_times changed meanwhile");
@@ -338,23 +353,17 @@ static PyObject *emitted(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *table = args[0], *batch = args[1], *now = args[2];
     if (!ready())
         return NULL;
-    if (!PyDict_Check(table) || !(PyList_Check(batch) || PyTuple_Check(batch))) {
-        PyErr_SetString(PyExc_TypeError, "emitted(): a dict and a list of messages");
+    if (!PyDict_Check(table)) {
+        PyErr_SetString(PyExc_TypeError, "emitted(): a dict and a batch of messages");
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(batch);
-    if (n == 0) {
-        PyErr_SetString(PyExc_IndexError, "emitted(): an empty batch");
+    if ((batch = messages_of(batch, "emitted")) == NULL)
         return NULL;
-    }
-    batch = PyList_Check(batch) ? PyList_AsTuple(batch) : Py_NewRef(batch);
-    if (batch == NULL)
-        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(batch);
     PyObject **msgs = PySequence_Fast_ITEMS(batch);
     PyObject *result = NULL, *turn = NULL;
     for (Py_ssize_t i = 0, j; i < n; i = j) {
-        Py_XSETREF(turn, Py_XNewRef(turn_of(msgs[i])));
-        if (turn == NULL || (j = run_end(msgs, i, n, turn)) < 0)
+        if ((j = next_run(batch, i, &turn)) < 0)
             goto done;
         PyObject *rec = record(table, turn, F_FIRST_OUT, now);
         if (rec == NULL)
