@@ -253,13 +253,8 @@ class Ring:
             self.puts += 1
             if len(items) > self.high_water:
                 self.high_water = len(items)
-            waiter = self.inbox._waiter
-            if waiter is not None:  # the consumer sleeps: wake it (Inbox.wake, inline)
-                self.inbox._waiter = None
-                if deferred is None:
-                    waiter.release()
-                else:
-                    deferred.append(waiter)
+            if self.inbox._waiter is not None:  # the consumer sleeps
+                self.inbox.wake(deferred)
             return kept
 
     def _overflow(self, deferred: list[Any] | None) -> bool | None:
