@@ -276,62 +276,65 @@ static Py_ssize_t next_run(PyObject *batch, Py_ssize_t i, PyObject **turn) {
     return *turn == NULL ? -1 : run_end(PySequence_Fast_ITEMS(batch), i, PyTuple_GET_SIZE(batch), *turn);
 }
 
-static PyObject *received(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "received(table, batch, put_times, now)");
-        return NULL;
+/* The ring waits of msgs[i:j], taken at now, added to rec (as Trace.received: the same sums). */
+static int add_waits(PyObject *rec, PyObject *times, Py_ssize_t i, Py_ssize_t j, double now) {
+    if (PyList_GET_SIZE(times) < j) {
+        PyErr_SetString(PyExc_RuntimeError, "received(): put_times changed meanwhile");
+        return -1;
     }
-    PyObject *table = args[0], *batch = args[1], *times = args[2], *now = args[3];
+    double sum = 0.0;  /* the same order as Python's sum() */
+    for (Py_ssize_t k = i; k < j; k++) {
+        double t = PyFloat_AsDouble(PyList_GET_ITEM(times, k));
+        if (t == -1.0 && PyErr_Occurred())
+            return -1;
+        sum += t;
+    }
+    double oldest = now - PyFloat_AsDouble(PyList_GET_ITEM(times, i));
+    double wait = j - i == 1 ? oldest : (double)(j - i) * now - sum;
+    double wait_s = get_float(rec, F_WAIT_S);
+    if ((wait_s == -1.0 && PyErr_Occurred()) || set_float(rec, F_WAIT_S, wait_s + wait) < 0)
+        return -1;
+    double wait_max = get_float(rec, F_WAIT_MAX_S);
+    if (wait_max == -1.0 && PyErr_Occurred())
+        return -1;
+    return oldest > wait_max ? set_float(rec, F_WAIT_MAX_S, oldest) : 0;
+}
+
+/* One batch into the table: in (put_times given: received) or out (put_times NULL: emitted). */
+static PyObject *update(PyObject *table, PyObject *batch, PyObject *times, PyObject *now, const char *who) {
     if (!ready())
         return NULL;
-    if (!PyDict_Check(table) || !PyList_Check(times)) {
-        PyErr_SetString(PyExc_TypeError, "received(): a dict, a batch of messages and a list of put times");
+    if (!PyDict_Check(table) || (times != NULL && !PyList_Check(times))) {
+        PyErr_Format(PyExc_TypeError, "%s(): a dict, a batch of messages%s", who, times ? " and a list of put times" : "");
         return NULL;
     }
     double t_now = PyFloat_AsDouble(now);
     if (t_now == -1.0 && PyErr_Occurred())
         return NULL;
-    if ((batch = messages_of(batch, "received")) == NULL)
+    if ((batch = messages_of(batch, who)) == NULL)
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(batch);
-    if (PyList_GET_SIZE(times) != n) {
+    if (times != NULL && PyList_GET_SIZE(times) != n) {
         Py_DECREF(batch);
-        PyErr_SetString(PyExc_ValueError, "received(): one put time per message");
+        PyErr_Format(PyExc_ValueError, "%s(): one put time per message", who);
         return NULL;
     }
+    int in = times != NULL;
     PyObject **msgs = PySequence_Fast_ITEMS(batch);
-    Py_INCREF(times);
+    Py_XINCREF(times);
     PyObject *result = NULL, *turn = NULL;
     for (Py_ssize_t i = 0, j; i < n; i = j) {
         if ((j = next_run(batch, i, &turn)) < 0)
             goto done;
-        if (PyList_GET_SIZE(times) < j) {
-            PyErr_SetString(PyExc_RuntimeError, "received(): put_times changed meanwhile");
-            goto done;
-        }
-        double sum = 0.0;  /* the same order as Python's sum() */
-        for (Py_ssize_t k = i; k < j; k++) {
-            double t = PyFloat_AsDouble(PyList_GET_ITEM(times, k));
-            if (t == -1.0 && PyErr_Occurred())
-                goto done;
-            sum += t;
-        }
-        double oldest = t_now - PyFloat_AsDouble(PyList_GET_ITEM(times, i));
-        double wait = j - i == 1 ? oldest : (double)(j - i) * t_now - sum;
-        PyObject *rec = record(table, turn, F_FIRST_IN, now);
+        PyObject *rec = record(table, turn, in ? F_FIRST_IN : F_FIRST_OUT, now);
         if (rec == NULL)
             goto done;
-        rec_set(rec, F_LAST_IN, Py_NewRef(now));
-        double wait_s = get_float(rec, F_WAIT_S), wait_max = 0.0;
-        int bad = (wait_s == -1.0 && PyErr_Occurred()) || add_int(rec, F_N_IN, j - i) < 0
-                  || set_float(rec, F_WAIT_S, wait_s + wait) < 0;
-        if (!bad) {
-            wait_max = get_float(rec, F_WAIT_MAX_S);
-            bad = (wait_max == -1.0 && PyErr_Occurred())
-                  || (oldest > wait_max && set_float(rec, F_WAIT_MAX_S, oldest) < 0)
-                  || note_marks(rec, F_MARKS_IN, msgs, i, j, now) < 0;
-        }
+        rec_set(rec, in ? F_LAST_IN : F_LAST_OUT, Py_NewRef(now));
+        int bad = add_int(rec, in ? F_N_IN : F_N_OUT, j - i) < 0;
+        if (!bad && in)
+            bad = add_waits(rec, times, i, j, t_now) < 0;
+        /* a milestone's time: when it came in, or when it happened (mark_time()) on the way out */
+        bad = bad || note_marks(rec, in ? F_MARKS_IN : F_MARKS_OUT, msgs, i, j, in ? now : NULL) < 0;
         Py_DECREF(rec);
         if (bad)
             goto done;
@@ -339,9 +342,18 @@ static PyObject *received(PyObject *module, PyObject *const *args, Py_ssize_t na
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(turn);
-    Py_DECREF(times);
+    Py_XDECREF(times);
     Py_DECREF(batch);
     return result;
+}
+
+static PyObject *received(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "received(table, batch, put_times, now)");
+        return NULL;
+    }
+    return update(args[0], args[1], args[2], args[3], "received");
 }
 
 static PyObject *emitted(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -350,35 +362,7 @@ static PyObject *emitted(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "emitted(table, batch, now)");
         return NULL;
     }
-    PyObject *table = args[0], *batch = args[1], *now = args[2];
-    if (!ready())
-        return NULL;
-    if (!PyDict_Check(table)) {
-        PyErr_SetString(PyExc_TypeError, "emitted(): a dict and a batch of messages");
-        return NULL;
-    }
-    if ((batch = messages_of(batch, "emitted")) == NULL)
-        return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(batch);
-    PyObject **msgs = PySequence_Fast_ITEMS(batch);
-    PyObject *result = NULL, *turn = NULL;
-    for (Py_ssize_t i = 0, j; i < n; i = j) {
-        if ((j = next_run(batch, i, &turn)) < 0)
-            goto done;
-        PyObject *rec = record(table, turn, F_FIRST_OUT, now);
-        if (rec == NULL)
-            goto done;
-        rec_set(rec, F_LAST_OUT, Py_NewRef(now));
-        int bad = add_int(rec, F_N_OUT, j - i) < 0 || note_marks(rec, F_MARKS_OUT, msgs, i, j, NULL) < 0;
-        Py_DECREF(rec);
-        if (bad)
-            goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(turn);
-    Py_DECREF(batch);
-    return result;
+    return update(args[0], args[1], NULL, args[2], "emitted");
 }
 
 static PyObject *setup(PyObject *module, PyObject *args) {
