@@ -6,7 +6,7 @@ The chains move the same mix of 20 ms audio chunks (320 float32 samples) and sma
 messages from a source thread through 6 pass-through threads to a sink, in one process.
 Rounds alternate between the chains, so a noisy neighbour hurts all alike; medians and
 ranges over the rounds are reported. The engine runs twice: with its C parts
-(s2s_flow/_handoff.c and _trace.c, what an install builds) and with their pure-Python
+(s2s_flow/_rings.c and _trace.c, what an install builds) and with their pure-Python
 stand-ins. Measured:
 
 - throughput: messages/s with the source unpaced (the chain saturated);
@@ -130,13 +130,16 @@ class Result:
 def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0,
               pure_python: bool = False) -> Result:
     if pure_python:
-        saved = rings.Waiter, rings.block, rings.wake_now, trace.native
-        rings.Waiter, rings.block, rings.wake_now = rings._Waiter, rings._block, rings._wake_now
+        saved = [getattr(rings, name) for name in rings.PARTS], trace.native
+        for name, part in zip(rings.PARTS, rings.IMPLEMENTATIONS["python"], strict=True):
+            setattr(rings, name, part)
         trace.native = None
         try:
             return run_rings(n, pace_hz, capacity=capacity, rss_every=rss_every)
         finally:
-            rings.Waiter, rings.block, rings.wake_now, trace.native = saved
+            for name, part in zip(rings.PARTS, saved[0], strict=True):
+                setattr(rings, name, part)
+            trace.native = saved[1]
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
     cfg = {"chain": ["source", *passes, "sink"],
@@ -256,10 +259,10 @@ def main() -> None:
     args = ap.parse_args()
 
     chains = {"s2s-flow rings": lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity)}
-    if rings.block is not rings._block and trace.native is not None:
+    if rings.native is not None and trace.native is not None:
         chains["rings, Python"] = lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity, pure_python=True)
     else:
-        print("s2s_flow/_handoff.c or _trace.c is not built: the engine runs on its pure-Python stand-ins")
+        print("s2s_flow/_rings.c or _trace.c is not built: the engine runs on its pure-Python stand-ins")
     chains["queue.Queue"] = run_queues
     rate: dict[str, list[float]] = {c: [] for c in chains}
     p50: dict[str, list[float]] = {c: [] for c in chains}

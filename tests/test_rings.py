@@ -1,7 +1,8 @@
 """Bounded rings: order, capacity and each overflow policy, also under concurrency.
 
-Every test runs twice: with the C hand-over (s2s_flow/_handoff.c) and with its pure-Python
-stand-in, which a machine without a C compiler uses.
+Every test runs twice: on the C rings (s2s_flow/_rings.c, what the engine uses) and on the
+pure-Python ones in rings.py, which a machine without a C compiler uses. test_rings_c.py
+holds the two to the same results op by op.
 """
 
 from __future__ import annotations
@@ -14,29 +15,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from s2s_flow import rings
-from s2s_flow.rings import Inbox, Ring, RingClosed, wake_all
+from s2s_flow.rings import RingClosed, wake_all
 from tests.support.managed import wait_until
 
-try:
-    from s2s_flow import _handoff
-except ImportError:  # reported by test_the_install_builds_the_c_hand_over
-    _handoff = None
-
-default_hand_over = (rings.Waiter, rings.block, rings.wake_now)  # what the engine uses unpatched
-HAND_OVERS = {"python": (rings._Waiter, rings._block, rings._wake_now)}
-if _handoff is not None:
-    HAND_OVERS["c"] = (_handoff.Waiter, _handoff.block, _handoff.wake_now)
+in_use = tuple(getattr(rings, name) for name in rings.PARTS)  # what the engine uses unpatched
 
 
-@pytest.fixture(scope="module", params=sorted(HAND_OVERS), autouse=True)
-def hand_over(request):
+@pytest.fixture(scope="module", params=sorted(rings.IMPLEMENTATIONS), autouse=True)
+def implementation(request):
     """Module-scoped (hypothesis re-runs a test body many times within one fixture)."""
     with pytest.MonkeyPatch.context() as mp:
-        waiter, block, wake_now = HAND_OVERS[request.param]
-        mp.setattr(rings, "Waiter", waiter)
-        mp.setattr(rings, "block", block)
-        mp.setattr(rings, "wake_now", wake_now)
+        for name, part in zip(rings.PARTS, rings.IMPLEMENTATIONS[request.param], strict=True):
+            mp.setattr(rings, name, part)
         yield request.param
+
+
+def Ring(*args, **kwargs):  # noqa: N802 - the class of the implementation under test
+    return rings.Ring(*args, **kwargs)
+
+
+def Inbox():  # noqa: N802
+    return rings.Inbox()
 
 
 @given(items=st.lists(st.integers(), max_size=200), capacity=st.integers(1, 300))
@@ -194,10 +193,10 @@ def test_invalid_ring_settings_are_rejected_with_the_fix():
         Ring(0)
 
 
-def test_the_install_builds_the_c_hand_over():
-    """The README's install compiles it; without it every hop costs a second thread switch."""
-    assert _handoff is not None, "s2s_flow/_handoff.c was not compiled: run scripts/bootstrap.sh (gcc, python3-dev)"
-    assert default_hand_over == (_handoff.Waiter, _handoff.block, _handoff.wake_now)
+def test_the_install_builds_the_c_rings():
+    """The README's install compiles them; without them every hop costs a second thread switch."""
+    assert rings.native is not None, "s2s_flow/_rings.c was not compiled: run scripts/bootstrap.sh (gcc, python3-dev)"
+    assert in_use == rings.IMPLEMENTATIONS["c"]
 
 
 def test_block_wakes_the_given_waiters_then_sleeps_until_released_or_timed_out():
