@@ -6,7 +6,8 @@
  * run update that turn's NodeTurn record (first/last time, count, ring waits) and record
  * the first time each milestone (Message.mark()) passes. In Python that is a loop over
  * every message at every hop; here a message costs a slot read and, for the types that
- * can stand for a milestone, one call of mark().
+ * can stand for a milestone, a second one: each message keeps what its mark() said (in
+ * Message._mark), so mark() runs once per message, not twice per hop.
  *
  * setup(NodeTurn, Message) is called once by trace.py: the record class, whose fields
  * are read and written in their slots, and the message base class (a message's ``turn``
@@ -26,6 +27,7 @@ enum { F_FIRST_IN, F_LAST_IN, F_FIRST_OUT, F_LAST_OUT, F_N_IN, F_N_OUT, F_WAIT_S
 static const char *field_names[N_FIELDS] = {"first_in", "last_in", "first_out", "last_out", "n_in", "n_out",
                                             "wait_s", "wait_max_s", "marks_in", "marks_out"};
 static Py_ssize_t field_offset[N_FIELDS];
+static Py_ssize_t mark_offset;  /* Message._mark: where a message keeps what mark() said */
 
 /* The offset of a slot (a member descriptor holding any object) of ``type``, or -1. */
 static Py_ssize_t slot_offset(PyObject *type, const char *name) {
@@ -192,9 +194,15 @@ static int note_marks(PyObject *rec, int marks_field, PyObject **msgs, Py_ssize_
             goto fail;
         if (!marked)
             continue;
-        PyObject *name = PyObject_CallMethodNoArgs(msgs[k], s_mark);
-        if (name == NULL)
-            goto fail;
+        PyObject **memo = (PyObject **)((char *)msgs[k] + mark_offset), *name = *memo;
+        if (name != NULL) {
+            Py_INCREF(name);
+        } else {  /* first time asked: mark() depends on the message's fields only */
+            if ((name = PyObject_CallMethodNoArgs(msgs[k], s_mark)) == NULL)
+                goto fail;
+            if (*memo == NULL)  /* mark() may have let another thread answer it meanwhile */
+                *memo = Py_NewRef(name);
+        }
         if (name == Py_None) {
             Py_DECREF(name);
             continue;
@@ -374,7 +382,11 @@ static PyObject *setup(PyObject *module, PyObject *args) {
     for (int f = 0; f < N_FIELDS; f++)
         if ((offsets[f] = slot_offset(record_class, field_names[f])) < 0)
             return NULL;
+    Py_ssize_t memo = slot_offset(message_class, "_mark");
+    if (memo < 0)
+        return NULL;
     memcpy(field_offset, offsets, sizeof(offsets));
+    mark_offset = memo;
     Py_INCREF(record_class);
     Py_INCREF(message_class);
     Py_XSETREF(NodeTurn, (PyTypeObject *)record_class);

@@ -137,3 +137,35 @@ def test_threads_tracing_at_once_keep_their_own_records():
     for t in threads:
         t.join(60)
     assert results == [True] * 6
+
+
+def test_a_message_is_asked_its_milestone_once_and_keeps_the_answer_out_of_sight():
+    """The C trace keeps what mark() said on the message (mark() depends only on its fields)."""
+    import copy
+    import dataclasses
+    import pickle
+
+    asked: list = []
+
+    class Counted(TextDelta):
+        __slots__ = ()
+
+        def mark(self) -> str:
+            asked.append(self.text)
+            return "token"
+
+    msg = Counted(turn=1, text="a")
+    tr = Trace()
+    for node in ("llm", "tts", "sink"):
+        tr.received(tr.node(node), [msg], [0.0], 1.0)
+        tr.emitted(tr.node(node), [msg], 2.0)
+    assert asked == ["a"] and tr.node("sink")[1].marks == {"in:token": 1.0, "out:token": msg.t}
+    twin = Counted(turn=1, text="a", t=msg.t)  # never asked
+    assert msg == twin and repr(msg) == repr(twin) and hash(msg) == hash(twin)
+    real = TextDelta(turn=2, text="b", sentence_end=True)
+    tr.emitted(tr.node("llm"), [real], 3.0)  # now it holds "sentence"
+    for other in (copy.copy(real), copy.deepcopy(real), dataclasses.replace(real), pickle.loads(pickle.dumps(real)),
+                  dataclasses.replace(real, sentence_end=False)):
+        assert (other == real) is other.sentence_end
+        tr.received(tr.node("other"), [other], [0.0], 4.0)
+    assert tr.node("other")[2].marks_in == {"sentence": 4.0, "token": 4.0}  # the changed copy was asked anew
