@@ -116,6 +116,14 @@ class Sink(Node):
         self.usage = thread_usage()
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(all, stolen) CPU ticks of the machine so far: on a VM, the hypervisor's steal time
+    shows up as stalls of milliseconds that no thread hand-over explains (the p99 tail)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks), ticks[7] if len(ticks) > 7 else 0
+
+
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -270,6 +278,7 @@ def main() -> None:
     usage: dict[str, list[dict[str, tuple[float, int]]]] = {c: [] for c in chains}
     for chain in chains.values():
         chain(2000)  # warm-up
+    ticks0 = cpu_ticks()
     for _ in range(args.rounds):
         for name, chain in chains.items():
             r = chain(args.messages)
@@ -279,11 +288,13 @@ def main() -> None:
             hop50, hop99 = per_hop(lat)
             p50[name].append(hop50)
             p99[name].append(hop99)
+    ticks1 = cpu_ticks()
+    stolen = (ticks1[1] - ticks0[1]) / max(1, ticks1[0] - ticks0[0]) * 100
 
     cap = f"capacity {args.capacity}" if args.capacity else f"default ring capacity ({Message.ring[0]})"
     print(f"\n6 pass-through nodes, {args.messages} msgs per round (half 20 ms audio, half text), {args.rounds} "
           f"rounds, {cap}; Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.2f}")
+          f"load {os.getloadavg()[0]:.2f}, {stolen:.1f} % of CPU time stolen by the hypervisor")
     print("median (min-max) over rounds")
     print(f"{'chain':<16} {'msgs/s':>22} {'hop p50 ms':>22} {'hop p99 ms':>22}")
     for name in chains:
