@@ -22,10 +22,10 @@ wait for its next block, which may be a network read: it wakes at once with
 Two implementations, one behaviour. ``s2s_flow/_rings.c`` (built by the install) is what
 the engine uses: a hop's put, wait and wake-up in C, and the GIL hand-over, which Python
 cannot do. The classes here (:class:`PyRing`, :class:`PyInbox`, and the pure-Python
-:func:`_block`) are the reference the C code is held to by tests/test_rings.py, and the
-stand-in where nothing is compiled, at the price of a second thread switch per hop and
-more time per message. ``Ring``, ``Inbox``, ``Waiter``, ``block`` and ``wake_now`` name the
-implementation in use (:data:`IMPLEMENTATIONS`).
+:func:`_block`) are the reference that tests/test_rings.py and test_rings_c.py hold the C
+code to, and the stand-in where nothing is compiled, at the price of a second thread
+switch per hop and more time per message. ``Ring``, ``Inbox``, ``Waiter``, ``block`` and
+``wake_now`` name the implementation in use (:data:`IMPLEMENTATIONS`).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class PyInbox:
         self.lock.release()
         try:
             woken = _block(waiter, _NONE if deferred is None else deferred,
-                          -1.0 if timeout is None else max(0.0, timeout))
+                           -1.0 if timeout is None else max(0.0, timeout))
         finally:
             self.lock.acquire()
             if self._waiter is waiter:
@@ -192,7 +192,7 @@ class PyInbox:
 
 
 def wake_all(deferred: list[Any]) -> None:
-    """Wake the threads whose wake-up was deferred (see :meth:`Inbox.wake`), and forget them."""
+    """Wake the threads whose wake-up was deferred (see :meth:`PyInbox.wake`), and forget them."""
     for waiter in deferred:
         waiter.release()
     deferred.clear()
@@ -238,7 +238,7 @@ class PyRing:
         """Add an item; returns False when the policy dropped something (this or the oldest).
 
         With ``deferred``, the consumer's wake-up is added to that list instead of done now
-        (:meth:`Inbox.wake`); the caller does it with :func:`wake_all` or its next block.
+        (:meth:`PyInbox.wake`); the caller does it with :func:`wake_all` or its next block.
         """
         with self._lock:
             if self._closed:
