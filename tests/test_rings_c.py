@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(rings.native is None, reason="s2s_flow/_rings.c 
 _, _, _, PyInbox, PyRing = rings.IMPLEMENTATIONS["python"]
 C = rings.native
 
-ring_specs = st.lists(st.tuples(st.integers(1, 6), st.sampled_from(rings.POLICIES)), min_size=1, max_size=3)
+ring_specs = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(rings.POLICIES)), min_size=1, max_size=3)
 ops = st.lists(st.one_of(
     st.tuples(st.just("put"), st.integers(0, 2), st.integers(0, 99), st.booleans()),
     st.tuples(st.just("put_many"), st.integers(0, 2), st.lists(st.integers(0, 99), max_size=8)),
@@ -75,12 +75,14 @@ def build(inbox_cls, ring_cls, specs):
     return inbox, [ring_cls(cap, policy, inbox=inbox, name=f"r{i}") for i, (cap, policy) in enumerate(specs)]
 
 
-@settings(max_examples=300, deadline=None)
-@given(specs=ring_specs, sequence=ops)
-def test_the_c_rings_give_the_reference_results_op_by_op(specs, sequence):
+@settings(max_examples=400, deadline=None)
+@given(specs=ring_specs, fill=st.lists(st.lists(st.integers(0, 99), max_size=8), min_size=3, max_size=3),
+       sequence=ops)
+def test_the_c_rings_give_the_reference_results_op_by_op(specs, fill, sequence):
     c_inbox, c_rings = build(C.Inbox, C.Ring, specs)
     py_inbox, py_rings = build(PyInbox, PyRing, specs)
-    for op in [*sequence, ("wait",)]:  # the last wait shows what each ring still holds
+    start = [("put_many", i, items[:cap]) for i, ((cap, _), items) in enumerate(zip(specs, fill, strict=False))]
+    for op in [*start, *sequence, ("wait",)]:  # the last wait shows what each ring still holds
         assert apply(c_inbox, c_rings, op) == apply(py_inbox, py_rings, op), op
         assert state(c_rings) == state(py_rings), op
         assert c_inbox.open == py_inbox.open
