@@ -138,16 +138,16 @@ class Result:
 def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0,
               pure_python: bool = False) -> Result:
     if pure_python:
-        saved = [getattr(rings, name) for name in rings.PARTS], trace.native
+        in_use, native_trace = [getattr(rings, name) for name in rings.PARTS], trace.native
         for name, part in zip(rings.PARTS, rings.IMPLEMENTATIONS["python"], strict=True):
             setattr(rings, name, part)
         trace.native = None
         try:
             return run_rings(n, pace_hz, capacity=capacity, rss_every=rss_every)
         finally:
-            for name, part in zip(rings.PARTS, saved[0], strict=True):
+            for name, part in zip(rings.PARTS, in_use, strict=True):
                 setattr(rings, name, part)
-            trace.native = saved[1]
+            trace.native = native_trace
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
     cfg = {"chain": ["source", *passes, "sink"],

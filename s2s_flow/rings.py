@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "wake_all", "wake_now", "IMPLEMENTATIONS"]
+__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "wake_all", "wake_now", "IMPLEMENTATIONS", "PARTS"]
 
 POLICIES = ("block", "drop_oldest", "drop_newest")
 _now = time.monotonic
