@@ -20,14 +20,15 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from types import MappingProxyType
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from nodes._playback import truncate_to_heard
-from nodes.llm._conversation import Conversation, Exchange, reply_deltas
+from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
+from nodes.llm._tools import Toolbox, answer_with_tools
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message, TextDelta
 from s2s_flow.node import Node, require
@@ -83,6 +84,20 @@ class _Secret:
         return "'***'" if self._value else "''"
 
     __str__ = __repr__
+
+
+def is_private(host: str) -> bool:
+    """Loopback, a private network address, or a bare hostname (``gpu-box``, a compose service):
+    a server of one's own (llama.cpp, vLLM), not a public API that rejects fields it lacks."""
+    host = host.lower().strip("[]")
+    if is_loopback(host) or "." not in host and ":" not in host:
+        return True
+    if host.endswith((".local", ".lan", ".internal", ".home.arpa")):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_private
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:
@@ -178,7 +193,9 @@ class RemoteClient:
             )
         self.group = group
         self.base_url = base_url.rstrip("/")
+        self.host = parts.hostname
         self.loopback = is_loopback(parts.hostname)
+        self.private = is_private(parts.hostname)
         self._key = _Secret(key)
         self.connect_timeout, self.read_timeout, self.max_retries = connect_timeout, read_timeout, max_retries
         self.start_hint = start_hint  # how to start a typical server, for the "no server" error
@@ -491,10 +508,10 @@ class RemoteClient:
 
 
 class RemoteLLM(Node):
-    """Shared body of ``llm=chat`` and ``llm=responses``: options, client, turn handling.
+    """Shared body of ``llm=chat`` and ``llm=responses``: options, client, turn handling, tools.
 
-    A subclass names its endpoint and fills in three pieces: the request body, how text
-    comes out of its stream events, and how it comes out of a non-streamed answer.
+    A subclass names its endpoint and fills in three pieces: the request body, how text and
+    tool calls come out of its stream events, and how they come out of a non-streamed answer.
     """
 
     outputs = {"text": TextDelta}
@@ -528,6 +545,13 @@ class RemoteLLM(Node):
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
         max_retries: int = 2,
+        tools: Sequence[str] | None = None,
+        tool_choice: str = "auto",
+        tool_timeout_s: float = 10.0,
+        max_tool_rounds: int = 3,
+        tool_filler: str | None = None,
+        tool_filler_after_s: float = 1.0,
+        tool_call_prefill: str | None = None,
     ) -> None:
         check_range(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
         check_range(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
@@ -541,6 +565,11 @@ class RemoteLLM(Node):
         self.reasoning_effort = reasoning_effort
         self.enable_thinking = enable_thinking
         self.chat_template_kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+        if reasoning_effort is not None and "enable_thinking" in (self.chat_template_kwargs or {}):
+            raise ConfigError(
+                "llm.chat_template_kwargs.enable_thinking and llm.reasoning_effort are both set: a server "
+                "such as vLLM then ignores the effort; keep one of them"
+            )
         self.extra_body = dict(extra_body or {})
         self.client = RemoteClient(
             group="llm",
@@ -551,6 +580,18 @@ class RemoteLLM(Node):
             max_retries=max_retries,
             start_hint="llama-server -m model.gguf --port 8080",
         )
+        if not self.model and not self.client.loopback:
+            raise ConfigError(
+                f"llm.model is not set and llm.base_url points at {self.client.host}, a remote server: name "
+                f"the model (OpenAI answers 400 without one), e.g. llm.model=gpt-4.1-mini or one that "
+                f"{self.client.base_url}/models lists; only a server on this machine may pick its own"
+            )
+        self.toolbox = Toolbox(tools, choice=tool_choice, timeout_s=tool_timeout_s, max_rounds=max_tool_rounds,
+                               filler=tool_filler, filler_after_s=tool_filler_after_s)
+        #: opens the assistant's turn when a call is required: llama-server's required choice still
+        #: lets a model talk first (and a small one never stops); with the template's call tag
+        #: (Qwen / Hermes: "<tool_call>\n") the model can only write the call, which the server parses
+        self.tool_call_prefill = tool_call_prefill or None
         self.conversation = Conversation(system_prompt, max_history_turns)
         self._stale_below = -(2**62)  # turns below this were interrupted
         self._turn: int | None = None  # the turn whose reply is streaming
@@ -561,16 +602,17 @@ class RemoteLLM(Node):
 
     # -- what a subclass provides -----------------------------------------------------
 
-    def request_body(self) -> dict[str, Any]:
-        """The JSON body for the conversation as it stands."""
+    def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
+        """The JSON body for the conversation as it stands; ``tool_choice`` when tools are declared."""
         raise NotImplementedError
 
-    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str]:
-        """Reply text pieces out of the SSE events; raise RemoteError on an error event."""
+    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str | ToolCall]:
+        """Reply text pieces out of the SSE events, then the tool calls they carried;
+        raise RemoteError on an error event."""
         raise NotImplementedError
 
-    def full_text(self, answer: Any) -> str:
-        """Reply text out of a non-streamed answer."""
+    def full_reply(self, answer: Any) -> list[str | ToolCall]:
+        """Reply text and tool calls out of a non-streamed answer."""
         raise NotImplementedError
 
     def user_content(self, port: str, msg: Message) -> Any:
@@ -608,10 +650,24 @@ class RemoteLLM(Node):
         for key in ("temperature", "top_p", "seed"):
             if getattr(self, key) is not None:
                 body[key] = getattr(self, key)
-        if self.chat_template_kwargs is not None:
-            kwargs = {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+        kwargs = self.template_kwargs()
+        if kwargs:
             body["chat_template_kwargs"] = kwargs
         return body
+
+    def prefill(self, tool_choice: str) -> str | None:
+        """The text the assistant's turn starts with in this request (``tool_call_prefill``), if any."""
+        return self.tool_call_prefill if self.toolbox and tool_choice not in ("auto", "none") else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs``: the thinking switch only for servers of one's own (llama.cpp
+        and vLLM read it; api.openai.com rejects the field) and never next to an explicit
+        ``reasoning_effort`` (vLLM would then ignore the effort); the configured mapping as is."""
+        if self.chat_template_kwargs is None:
+            return {}
+        if self.reasoning_effort is None and self.client.private:
+            return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+        return dict(self.chat_template_kwargs)
 
     def setup(self) -> None:
         self.client.log = self.ctx.log
@@ -638,7 +694,7 @@ class RemoteLLM(Node):
         truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
         exchange: Exchange = self.conversation.add_user(user, msg.turn)
         yield from reply_deltas(
-            self._reply(msg.turn), turn=msg.turn, conversation=self.conversation, exchange=exchange,
+            self._reply(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
             log=self.ctx.log, interrupted=lambda: msg.turn < self._stale_below,
         )
 
@@ -652,24 +708,39 @@ class RemoteLLM(Node):
         current = self._turn
         if current is not None and current < turn:
             self.client.abort()
+        self.toolbox.wake()  # a wait for tools checks whether its turn is stale
 
     def close(self) -> None:
         self.client.close()
+        self.toolbox.wake()
 
-    def _reply(self, turn: int) -> Iterator[str]:
-        """Reply text as it streams. Before the first token a failure raises; after it, the
-        reply ends where it broke (logged): an answer is never replayed from the start."""
+    def _reply(self, exchange: Exchange) -> Iterator[str]:
+        """The reply's text; with tools, the rounds of calls it takes to get there."""
+        turn = exchange.turn
+        if not self.toolbox:
+            yield from (p for p in self._request(turn, "none", False) if isinstance(p, str))
+            return
+        yield from answer_with_tools(
+            lambda choice: self._request(turn, choice, bool(exchange.rounds)), toolbox=self.toolbox,
+            exchange=exchange, cancelled=lambda: turn < self._stale_below or self.ctx.stopping.is_set(),
+            record=self.ctx.record, log=self.ctx.log,
+        )
+
+    def _request(self, turn: int, tool_choice: str, after_tools: bool) -> Iterator[str | ToolCall]:
+        """One request: text as it streams, then the tool calls asked for. Before the first
+        token of a turn a failure raises; after it (or after a tool round), the reply ends
+        where it broke (logged): an answer is never replayed from the start."""
         if turn < self._stale_below:
             return
-        body = self.request_body()
-        produced = False
+        body = self.request_body(tool_choice)
+        produced = after_tools
         self.client.begin()
         self._turn = turn
         try:
             if turn < self._stale_below:  # interrupted while the request was being built
                 return
             if not self.stream:
-                yield self.full_text(
+                yield from self.full_reply(
                     self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
                 )
                 return

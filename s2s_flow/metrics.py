@@ -61,7 +61,13 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("ring_wait_ms", "ring wait on the critical path"),
 )
 
-_STATS_KEYS = [k for k, _ in MILESTONES] + [k for k, _ in STAGES]
+#: Tool calls (llm.tools): their time on the critical path, and voice-to-voice without it.
+TOOLS: tuple[tuple[str, str], ...] = (
+    ("tool_ms", "tool calls before the first audio"),
+    ("voice_to_voice_without_tools_ms", "voice-to-voice without tool time"),
+)
+
+_STATS_KEYS = [k for k, _ in MILESTONES] + [k for k, _ in STAGES] + [k for k, _ in TOOLS]
 
 
 # -- building the report -----------------------------------------------------------------
@@ -82,10 +88,13 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
     roles = _roles_from_graph(graph) if graph is not None else _roles_from_marks(nodes)
     chain = list(getattr(graph, "chain", None) or nodes)
     interrupts = [e for e in data.get("events", []) if e.get("kind") == "interrupt"]
+    tool_calls = [e for e in data.get("events", []) if e.get("kind") == "tool_call"]
     conversations = data.get("conversations", {})
 
     turn_ids = sorted({int(t) for table in nodes.values() for t in table if int(t) > 0})
     turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), "")) for t in turn_ids]
+    for row in turns:
+        _tool_time(row, [e for e in tool_calls if e.get("turn") == row["turn"]])
     warmup = turns[0] if turns else None
     if warmup is not None:
         warmup["warmup"] = True
@@ -193,6 +202,24 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
     return row
 
 
+def _tool_time(row: dict[str, Any], calls: list[dict[str, Any]]) -> None:
+    """Which tools a turn called, and how much of its voice-to-voice they took: the time any
+    call ran between the end of speech and the first audio (parallel calls counted once)."""
+    row["tool_calls"] = [{"tool": e["tool"], "args_bytes": e["args_bytes"], "ms": round(e["seconds"] * 1000, 1),
+                          "status": e["status"]} for e in calls]
+    end, v2v = row["speech_end_s"], row["voice_to_voice_ms"]
+    row["tool_ms"] = None
+    if calls and end is not None:
+        stop = end + v2v / 1000 if v2v is not None else float("inf")
+        covered, reach = 0.0, end
+        for a, b in sorted((e["t"] - e["seconds"], e["t"]) for e in calls):
+            a, b = max(a, reach), min(b, stop)
+            if b > a:
+                covered, reach = covered + b - a, b
+        row["tool_ms"] = round(covered * 1000, 1)
+    row["voice_to_voice_without_tools_ms"] = None if v2v is None else round(v2v - (row["tool_ms"] or 0.0), 1)
+
+
 def _ms(t: float | None, since: float | None) -> float | None:
     if t is None or since is None:
         return None
@@ -251,11 +278,12 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
     title = "latency (ms after the user's true end of speech)"
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("", no_wrap=True)
-    rows = [*MILESTONES, *STAGES]
+    rows = [*MILESTONES, *STAGES, *(TOOLS if any(t.get("tool_calls") for t in turns) else ())]
+    sections = (len(MILESTONES) - 1, len(MILESTONES) + len(STAGES) - 1)
     if len(turns) == 1:
         table.add_column(f"turn {turns[0]['turn']}", justify="right")
         for i, (key, label) in enumerate(rows):
-            table.add_row(label, _fmt(turns[0].get(key)), end_section=i == len(MILESTONES) - 1)
+            table.add_row(label, _fmt(turns[0].get(key)), end_section=i in sections)
     else:
         table.add_column(f"warm-up (turn {rep['warmup_turn']})", justify="right", style="dim")
         for col in ("p50", "p95", "max"):
@@ -264,7 +292,7 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
         for i, (key, label) in enumerate(rows):
             s = rep["summary"][key]
             table.add_row(label, _fmt(rep["warmup"].get(key)), _fmt(s["p50"]), _fmt(s["p95"]), _fmt(s["max"]),
-                          str(s["n"]), end_section=i == len(MILESTONES) - 1)
+                          str(s["n"]), end_section=i in sections)
     n = len(turns)
     notes = [f"{n} turn{'s' * (n != 1)}"]
     if rep["warmup_excluded"]:

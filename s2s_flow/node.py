@@ -45,6 +45,7 @@ class Context:
         stopping: threading.Event | None = None,
         progress: Callable[[str], None] | None = None,
         shared: dict[str, Any] | None = None,
+        record: Callable[..., None] | None = None,
     ) -> None:
         self.name = name
         self.run_dir = run_dir
@@ -58,6 +59,7 @@ class Context:
         #: one dict for every node of a run: state nodes must share (e.g. what the speaker
         #: really played, read by the LLM to keep only what was heard after a barge-in)
         self.shared: dict[str, Any] = {} if shared is None else shared
+        self._record = record
 
     @property
     def epoch(self) -> int:
@@ -68,6 +70,11 @@ class Context:
         """Declare every turn before ``turn`` stale: rings are flushed, nodes told."""
         if self._interrupt is not None:
             self._interrupt(turn, reason)
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """Add a rare event to the run's trace (a tool call: what ran, for how long), for the metrics."""
+        if self._record is not None:
+            self._record(kind, node=self.name, **fields)
 
     def progress(self, text: str) -> None:
         """Show what a slow ``setup()`` is doing (download, load, warm-up)."""
@@ -91,7 +98,8 @@ class Node:
     taps: ClassVar[frozenset[str]] = frozenset()
     #: per output port (capacity, policy) overriding the message type's default ring
     port_rings: ClassVar[dict[str, tuple[int, str]]] = {}
-    #: parameters that hold secrets: never printed, logged or written to the run dir
+    #: parameters that hold secrets: never printed, logged or written to the run dir (the
+    #: engine masks exactly these, by name: s2s_flow/redact.py)
     secret_params: ClassVar[frozenset[str]] = frozenset()
 
     ctx: Context

@@ -131,18 +131,17 @@ def test_responses_text_turn_sends_the_exact_request_json(srv, tmp_path):
     assert srv.posts[1].path == "/v1/responses"
     assert srv.posts[1].body == {
         "model": "m",
-        "input": [
-            {"type": "message", "role": "system", "content": SYSTEM},
-            {"type": "message", "role": "user", "content": "Capital of Italy?"},
-            {"type": "message", "role": "assistant", "content": "Rome."},
-            {"type": "message", "role": "user", "content": "And France?"},
+        "input": [  # typed parts: early llama.cpp /v1/responses builds refuse untyped assistant text
+            {"type": "message", "role": "system", "content": [{"type": "input_text", "text": SYSTEM}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Capital of Italy?"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Rome."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And France?"}]},
         ],
         "stream": True,
         "store": False,
         "temperature": 0.0,
         "max_output_tokens": 32,
-        "reasoning": {"effort": "low"},
-        "chat_template_kwargs": {"enable_thinking": False},
+        "reasoning": {"effort": "low"},  # and no enable_thinking next to it: vLLM would ignore the effort
     }
 
 
@@ -153,8 +152,49 @@ def test_reasoning_effort_thinking_switch_and_extra_body_in_a_chat_request(srv, 
     turn(node, "hi")
     body = srv.posts[0].body
     assert body["reasoning_effort"] == "high"
-    assert body["chat_template_kwargs"] == {"enable_thinking": True, "custom": 1}
+    assert body["chat_template_kwargs"] == {"custom": 1}  # the effort alone decides the thinking
     assert body["min_p"] == 0.05 and body["stream_options"] is None  # extra_body wins
+
+
+def test_the_thinking_switch_goes_to_servers_of_ones_own_and_never_with_an_effort(srv, tmp_path):
+    srv.script(Reply.sse(chat_chunks("Ok.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, enable_thinking=True)
+    turn(node, "hi")
+    assert srv.posts[0].body["chat_template_kwargs"] == {"enable_thinking": True}  # loopback: llama.cpp, vLLM
+    with pytest.raises(ConfigError, match=r"enable_thinking and llm.reasoning_effort"):
+        ChatCompletionsLLM(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False})
+
+
+@pytest.mark.parametrize(("url", "sent"), [
+    ("https://api.openai.com/v1", False),  # rejects unknown fields
+    ("https://my-resource.openai.azure.com/openai/v1", False),
+    ("http://10.0.0.5:8000/v1", True),  # vLLM on a private network
+    ("http://gpu-box:8000/v1", True),  # a bare hostname: a machine of one's own
+])
+def test_the_thinking_switch_is_left_out_for_public_apis(url, sent):
+    body = ChatCompletionsLLM(base_url=url, model="m", api_key=KEY).generation_options()
+    assert ("chat_template_kwargs" in body) is sent
+    assert ResponsesLLM(base_url=url, model="m", api_key=KEY).template_kwargs() == (
+        {"enable_thinking": False} if sent else {})
+
+
+def test_a_remote_server_needs_the_model_named_at_compose_time():
+    with pytest.raises(ConfigError, match=r"llm\.model is not set .*api\.openai\.com.*OpenAI answers 400"):
+        ChatCompletionsLLM(base_url="https://api.openai.com/v1", api_key=KEY)
+    with pytest.raises(ConfigError, match=r"llm\.model is not set"):
+        ResponsesLLM(base_url="http://10.0.0.5:8000/v1", api_key=KEY)
+    ChatCompletionsLLM(base_url="http://127.0.0.1:8080/v1")  # llama-server serves its one model
+
+
+def test_a_turn_interrupted_before_any_text_leaves_no_empty_assistant_message(srv, tmp_path):
+    srv.script(Reply.sse(chat_chunks("Two.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, system_prompt=SYSTEM)
+    node.conversation.add_user("Tell me a long story.", 1)  # interrupted: no reply text was recorded
+    turn(node, "Actually, just say two.", 2)
+    assert srv.posts[0].body["messages"] == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Tell me a long story.\nActually, just say two."},  # roles still alternate
+    ]
 
 
 def test_chat_template_kwargs_null_sends_no_such_field_for_strict_servers(srv, tmp_path):
@@ -232,7 +272,7 @@ def test_a_remote_server_without_a_key_is_a_config_error_at_compose_time(monkeyp
     with pytest.raises(ConfigError, match=r"llm\.api_key.*OPENAI_API_KEY"):
         ResponsesLLM(base_url="https://api.openai.com/v1", model="gpt-4.1-mini")
     with pytest.raises(ConfigError, match=r"llm\.api_key"):
-        ChatCompletionsLLM(base_url="http://10.0.0.5:8000/v1", api_key="")
+        ChatCompletionsLLM(base_url="http://10.0.0.5:8000/v1", api_key="", model="m")
 
 
 @pytest.mark.parametrize("url", ["http://localhost:8080/v1", "http://127.0.0.2:9/v1", "http://[::1]:8000/v1"])
@@ -243,7 +283,7 @@ def test_loopback_servers_need_no_key(monkeypatch, url):
 
 def test_the_key_comes_from_openai_api_key_when_unset(monkeypatch, srv, tmp_path):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    ChatCompletionsLLM(base_url="https://api.openai.com/v1")  # no ConfigError
+    ChatCompletionsLLM(base_url="https://api.openai.com/v1", model="gpt-4.1-mini")  # no ConfigError
     srv.script(Reply.sse(chat_chunks("Ok.")))
     turn(llm_node(ChatCompletionsLLM, srv.base_url, tmp_path), "hi")
     assert srv.posts[0].headers["Authorization"] == f"Bearer {KEY}"
@@ -290,8 +330,8 @@ def test_a_barge_in_while_the_request_is_being_built_sends_nothing(srv, tmp_path
     node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, system_prompt=SYSTEM)
     build = node.request_body
 
-    def built_then_interrupted():  # the user barges in between the stale check and the request
-        body = build()
+    def built_then_interrupted(*args):  # the user barges in between the stale check and the request
+        body = build(*args)
         node.on_interrupt(2)
         return body
 

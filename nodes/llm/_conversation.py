@@ -8,24 +8,59 @@ own way (plain text, or an audio content part); the rest is here.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from s2s_flow.messages import TextDelta
 
-__all__ = ["Exchange", "Conversation", "SentenceSplitter", "reply_deltas"]
+__all__ = ["Exchange", "ToolCall", "ToolRound", "Conversation", "SentenceSplitter", "reply_deltas"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One call the model asked for, and what running it gave back (always text, errors included)."""
+
+    id: str
+    name: str
+    arguments: str  # the JSON text the model wrote, kept as written
+    result: str | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The call as Chat Completions writes it in an assistant message."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def parsed_arguments(self) -> Any:
+        """The arguments as JSON values (chat templates want a mapping); the raw text if unparsable."""
+        try:
+            return json.loads(self.arguments) if self.arguments.strip() else {}
+        except ValueError:
+            return self.arguments
+
+
+@dataclass(slots=True)
+class ToolRound:
+    """The model stopped to call tools: the text it said first, and the calls."""
+
+    text: str
+    calls: list[ToolCall]
 
 
 @dataclass(slots=True)
 class Exchange:
-    """One user turn and the assistant text actually produced for it."""
+    """One user turn and the assistant text actually produced for it.
+
+    ``reply`` is everything said in the turn, tool rounds included (it is what TTS spoke and
+    what a barge-in cuts); each round's ``text`` is the part of it said before that round's calls.
+    """
 
     user: Any  # str, or whatever a backend stores for an audio turn
     turn: int
     reply: str = ""
+    rounds: list[ToolRound] = field(default_factory=list)
 
 
 class Conversation:
@@ -57,12 +92,14 @@ class Conversation:
             self.exchanges[-1].reply = text
 
     def messages(self, render_user: Callable[[Exchange, int], Any] | None = None) -> list[dict[str, Any]]:
-        """Chat messages, oldest first: system, then user/assistant pairs, the open turn last.
+        """Chat messages, oldest first: system, then each turn's user message, its tool rounds
+        (an assistant message with ``tool_calls``, then one ``tool`` message per call) and its
+        reply; the open turn last, with the rounds it made so far.
 
         ``render_user(exchange, age)`` gives a user message's content; ``age`` is 0 for
         the newest turn (a backend keeps audio for the newest few and summarizes older).
-        Only the newest exchange may lack a reply; an older one interrupted before any text
-        keeps an empty assistant message, so roles still alternate for strict templates.
+        A turn interrupted before it said anything leaves no assistant message; its user
+        message is joined to the next one, so roles still alternate for strict templates.
         """
         out: list[dict[str, Any]] = []
         if self.system_prompt:
@@ -70,10 +107,30 @@ class Conversation:
         last = len(self.exchanges) - 1
         for i, ex in enumerate(self.exchanges):
             content = render_user(ex, last - i) if render_user else ex.user
-            out.append({"role": "user", "content": content})
-            if i < last:
-                out.append({"role": "assistant", "content": ex.reply})
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"] = _joined(out[-1]["content"], content)
+            else:
+                out.append({"role": "user", "content": content})
+            rest = ex.reply if i < last else None  # the open turn's reply is not known yet
+            for r in ex.rounds:
+                said = r.text if rest is None else rest[: len(r.text)]
+                rest = None if rest is None else rest[len(r.text):]
+                out.append({"role": "assistant", "content": said or None, "tool_calls": [c.chat() for c in r.calls]})
+                out += [{"role": "tool", "tool_call_id": c.id, "content": c.result or ""} for c in r.calls]
+            if rest:
+                out.append({"role": "assistant", "content": rest})
         return out
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """Two user messages in a row as one: text joined by a newline, content parts concatenated."""
+    if isinstance(first, str) and isinstance(second, str):
+        return f"{first}\n{second}"
+
+    def parts(content: Any) -> list[Any]:
+        return list(content) if isinstance(content, list) else [{"type": "text", "text": str(content)}]
+
+    return parts(first) + parts(second)
 
 
 # -- sentence splitting ---------------------------------------------------------------

@@ -5,26 +5,30 @@ model in ``setup()`` and implements ``generate`` (prompt token ids -> text piece
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from nodes._hub import model_path
 from nodes._playback import truncate_to_heard
 from nodes._remote import RemoteLLM, check_range
-from nodes.llm._conversation import Conversation, Exchange, reply_deltas
+from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
+from nodes.llm._tools import Toolbox, answer_with_tools
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, TextDelta, Transcript
 from s2s_flow.node import Node
 
-__all__ = ["LocalLLM"]
+__all__ = ["LocalLLM", "split_tool_calls"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 THINK_START, THINK_END = "<think>", "</think>"
 THINKING_SWITCH = re.compile(r"\benable_thinking\b")  # a chat template that reads the switch
 WARMUP_TEXT = "Hello."
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"  # Qwen3 / Hermes: a JSON call between the tags
+_NAMED_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:(?P<arguments>.*)$', re.S)
 
 
 class LocalLLM(Node):
@@ -50,6 +54,12 @@ class LocalLLM(Node):
         enable_thinking: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         prompt_cache: bool = True,
+        tools: Sequence[str] | None = None,
+        tool_choice: str = "auto",
+        tool_timeout_s: float = 10.0,
+        max_tool_rounds: int = 3,
+        tool_filler: str | None = None,
+        tool_filler_after_s: float = 1.0,
     ) -> None:
         if not model:
             raise ConfigError(f"llm.model is empty: give a hub id or a local model directory ({self.backend})")
@@ -62,6 +72,8 @@ class LocalLLM(Node):
         self.enable_thinking = enable_thinking
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.conversation = Conversation(system_prompt, max_history_turns)
+        self.toolbox = Toolbox(tools, choice=tool_choice, timeout_s=tool_timeout_s, max_rounds=max_tool_rounds,
+                               filler=tool_filler, filler_after_s=tool_filler_after_s)
         self._tokenizer: Any = None
         self._prompt_opens_thinking = False
         self._stale_below = -(2**62)  # turns below this were interrupted
@@ -88,16 +100,30 @@ class LocalLLM(Node):
 
     # -- shared -----------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], tool_choice: str = "none") -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the reply.
 
         ``enable_thinking`` goes to templates that read it (Qwen3 and friends); thinking is
         off by default because a voice agent would otherwise think aloud before answering.
+        Tools go to the template's own ``tools`` support; a required (or named) tool choice
+        opens the call in the prompt, so the model can only write one (see :meth:`call_prefill`).
         """
         kwargs = self.template_kwargs()
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        if self.toolbox and tool_choice != "none":
+            kwargs["tools"] = [tool.chat_schema() for tool in self.toolbox.tools.values()]
+        text = self._tokenizer.apply_chat_template(
+            template_messages(messages), tokenize=False, add_generation_prompt=True, **kwargs)
         self._prompt_opens_thinking = text.rstrip().endswith(THINK_START)
+        text += self.call_prefill(tool_choice)[0]
         return list(self._tokenizer.encode(text, add_special_tokens=False))  # the template has the BOS
+
+    def call_prefill(self, tool_choice: str) -> tuple[str, str]:
+        """(text appended to the prompt, the part of it inside the call) that forces a call:
+        ``<tool_call>`` for ``required``, and the function's name too for a named choice."""
+        if tool_choice in ("auto", "none") or not self.toolbox:
+            return "", ""
+        inside = "" if tool_choice == "required" else f'\n{{"name": "{tool_choice}", "arguments": '
+        return TOOL_START + inside, inside
 
     def template_kwargs(self) -> dict[str, Any]:
         """Variables for the chat template: the thinking switch where the template reads it."""
@@ -112,6 +138,20 @@ class LocalLLM(Node):
                 f"llm.model={self.model!r} has no chat template (a base model?): choose an instruct "
                 f"or chat model, e.g. the default of {self.backend}"
             )
+        self.check_tool_template()
+
+    def check_tool_template(self) -> None:
+        """Tools reach the model only through its chat template: say so when it ignores them."""
+        source = str(self._tokenizer.chat_template or "")
+        if self.toolbox and not re.search(r"\btools\b", source):
+            raise ConfigError(
+                f"llm.tools is set but the chat template of llm.model={self.model!r} never mentions tools, so the "
+                f"model would not see them: choose a model that calls tools (e.g. Qwen3), or drop llm.tools"
+            )
+        if self.toolbox and TOOL_START not in source:
+            self.ctx.log.warning("the chat template of %s does not write %s: its tool calls may not be "
+                                 "recognised (llm=%s reads Qwen3 / Hermes-style calls)", self.model, TOOL_START,
+                                 self.backend.removeprefix("llm="))
 
     def warm_up(self) -> None:
         """One short generation: the first turn then pays no allocation or kernel-selection cost."""
@@ -136,8 +176,17 @@ class LocalLLM(Node):
             return
         truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
         exchange: Exchange = self.conversation.add_user(text, msg.turn)
+        if self.toolbox:
+            turn = msg.turn
+            pieces = answer_with_tools(
+                lambda choice: self._reply(turn, choice), toolbox=self.toolbox, exchange=exchange,
+                cancelled=lambda: turn < self._stale_below or self.ctx.stopping.is_set(),
+                record=self.ctx.record, log=self.ctx.log,
+            )
+        else:
+            pieces = self._reply(msg.turn)
         yield from reply_deltas(
-            self._reply(msg.turn), turn=msg.turn, conversation=self.conversation, exchange=exchange,
+            pieces, turn=msg.turn, conversation=self.conversation, exchange=exchange,
             log=self.ctx.log, interrupted=lambda: msg.turn < self._stale_below,
         )
 
@@ -146,11 +195,13 @@ class LocalLLM(Node):
         stop, current = self._stop, self._turn
         if stop is not None and current is not None and current < turn:
             stop.set()
+        self.toolbox.wake()  # a wait for tools checks whether its turn is stale
 
     def close(self) -> None:
         stop = self._stop
         if stop is not None:
             stop.set()
+        self.toolbox.wake()
 
     # -- the prompt cache: the backend trims and makes caches, the rest is shared ---------
 
@@ -177,10 +228,11 @@ class LocalLLM(Node):
         """An empty cache for this model, or None when it could not be cut later."""
         raise NotImplementedError
 
-    def _reply(self, turn: int) -> Iterator[str]:
+    def _reply(self, turn: int, tool_choice: str = "none") -> Iterator[Any]:
+        """One generation: text pieces, and with tools the calls it wrote (never spoken)."""
         if turn < self._stale_below:
             return
-        prompt_ids = self.chat_prompt(self.conversation.messages())
+        prompt_ids = self.chat_prompt(self.conversation.messages(), tool_choice)
         self._stop, self._turn = threading.Event(), turn
         if turn < self._stale_below:  # interrupted while the prompt was being built
             self._stop, self._turn = None, None
@@ -188,10 +240,13 @@ class LocalLLM(Node):
         start = time.monotonic()
         generation = self.generate(prompt_ids, self._stop)
         try:
+            pieces: Iterable[str] = generation
             if self.enable_thinking:
-                yield from _without_thinking(generation, opened=self._prompt_opens_thinking)
-            else:
-                yield from generation
+                pieces = _without_thinking(generation, opened=self._prompt_opens_thinking)
+            if self.toolbox:
+                pieces = split_tool_calls(pieces, opened=self.call_prefill(tool_choice)[1] if tool_choice not in (
+                    "auto", "none") else None, new_id=lambda: self.toolbox.new_id(turn))
+            yield from pieces
         finally:
             generation.close()  # stops the generation now, whichever way the reply ended
             self._stop, self._turn = None, None
@@ -216,6 +271,77 @@ def shared_prefix(cached: list[int], prompt: list[int]) -> int:
             break
         n += 1
     return min(n, len(prompt) - 1)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as chat templates expect it: a tool call's arguments as a mapping (Qwen3
+    accepts text too, Llama 3 and others want the mapping), an empty content as ""."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.parsed_arguments()}}
+                     for c in calls]
+            m = {**m, "content": m.get("content") or "", "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def split_tool_calls(
+    pieces: Iterable[str], *, opened: str | None = None, new_id: Callable[[], str],
+) -> Iterator[str | ToolCall]:
+    """Text pieces with the ``<tool_call>{json}</tool_call>`` sections taken out, then the calls.
+
+    Text that might be the start of a tag is held until the next piece tells, so a call is
+    never spoken. ``opened``: the prompt already opened a call, with this text inside it. A
+    call the model did not close (it stopped at end of turn) is read up to the end; one that
+    is not JSON becomes a call without a name, whose result tells the model so.
+    """
+    held = "" if opened is None else opened
+    inside = opened is not None
+    calls: list[ToolCall] = []
+    for piece in pieces:
+        held += piece
+        while True:
+            if inside:
+                end = held.find(TOOL_END)
+                if end < 0:
+                    break
+                calls.append(_parse_call(held[:end], new_id()))
+                held, inside = held[end + len(TOOL_END):], False
+                continue
+            start = held.find(TOOL_START)
+            if start >= 0:
+                if held[:start].strip():
+                    yield held[:start]
+                held, inside = held[start + len(TOOL_START):], True
+                continue
+            keep = next((n for n in range(min(len(held), len(TOOL_START) - 1), 0, -1)
+                         if TOOL_START.startswith(held[-n:])), 0)
+            if len(held) > keep and (not calls or held[: len(held) - keep].strip()):
+                yield held[: len(held) - keep]
+                held = held[len(held) - keep:]
+            break
+    if inside:
+        calls.append(_parse_call(held, new_id()))
+    elif held and (not calls or held.strip()):
+        yield held
+    yield from calls
+
+
+def _parse_call(text: str, call_id: str) -> ToolCall:
+    try:
+        data = json.loads(text.strip())
+        name, arguments = data["name"], data.get("arguments", data.get("parameters", {}))
+        if not isinstance(name, str):
+            raise TypeError(name)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        named = _NAMED_CALL.match(text)  # a name, then arguments that are not JSON: name them in the result
+        if named:
+            return ToolCall(id=call_id, name=named["name"], arguments=named["arguments"].strip().removesuffix("}"))
+        return ToolCall(id=call_id, name="", arguments=text.strip())
+    return ToolCall(id=call_id, name=name,
+                    arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
 def _without_thinking(pieces: Iterator[str], *, opened: bool) -> Iterator[str]:

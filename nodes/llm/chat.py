@@ -7,12 +7,13 @@ audio-capable models (llama-server with an audio ``--mmproj``, vLLM, OpenAI audi
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from nodes._remote import RemoteError, RemoteLLM
-from nodes.llm._conversation import Exchange
+from nodes.llm._conversation import Exchange, ToolCall
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, Speech, TextDelta, Transcript
@@ -86,9 +87,15 @@ class ChatCompletionsLLM(RemoteLLM):
             part = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{exchange.user.b64}"}}
         return [{"type": "text", "text": self.audio_prompt}, part] if self.audio_prompt else [part]
 
-    def request_body(self) -> dict[str, Any]:
+    def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
         body = self.generation_options()
         body["messages"] = self.conversation.messages(self.render_user)
+        if self.toolbox:
+            body["tools"] = [tool.chat_schema() for tool in self.toolbox.tools.values()]
+            named = tool_choice not in ("auto", "none", "required")
+            body["tool_choice"] = {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
+            if self.prefill(tool_choice):
+                body["messages"].append({"role": "assistant", "content": self.prefill(tool_choice)})
         body["stream"] = self.stream
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -100,8 +107,9 @@ class ChatCompletionsLLM(RemoteLLM):
 
     # -- answer -----------------------------------------------------------------------
 
-    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str]:
+    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str | ToolCall]:
         reasoning, usage, finish, spoke = 0, None, None, False
+        calls: dict[int, dict[str, str]] = {}  # tool calls stream in pieces, keyed by their index
         for _, data in events:
             if data == "[DONE]":
                 continue  # read on to the end of the body: the connection stays reusable
@@ -119,10 +127,27 @@ class ChatCompletionsLLM(RemoteLLM):
                 if delta.get("content"):
                     spoke = True
                     yield delta["content"]
+                for piece in delta.get("tool_calls") or ():
+                    call = calls.setdefault(piece.get("index", len(calls)), {"id": "", "name": "", "arguments": ""})
+                    function = piece.get("function") or {}
+                    call["id"] = piece.get("id") or call["id"]
+                    call["name"] += function.get("name") or ""
+                    call["arguments"] += function.get("arguments") or ""
                 finish = choice.get("finish_reason") or finish
-        self.log_reply(usage=usage, reasoning=reasoning, stop=finish, spoke=spoke)
+        self.log_reply(usage=usage, reasoning=reasoning, stop=finish, spoke=spoke or bool(calls))
+        yield from self._calls(calls[i] for i in sorted(calls))
 
-    def full_text(self, answer: Any) -> str:
+    def _calls(self, calls: Any) -> Iterator[ToolCall]:
+        """Tool calls as parsed; one without a name is the server's fault and is reported."""
+        for call in calls:
+            if not call.get("name"):
+                raise RemoteError(f"the server at {self.client.base_url} sent a tool call without a function "
+                                  f"name: {str(call)[:200]}")
+            arguments = call.get("arguments") or ""
+            yield ToolCall(id=call.get("id") or self.toolbox.new_id(self._turn or 0), name=call["name"],
+                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+    def full_reply(self, answer: Any) -> list[str | ToolCall]:
         try:
             message = answer["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
@@ -131,11 +156,12 @@ class ChatCompletionsLLM(RemoteLLM):
                 f"{str(answer)[:200]}"
             ) from None
         text = message.get("content") or ""
+        calls = [{"id": c.get("id"), **(c.get("function") or {})} for c in message.get("tool_calls") or ()]
         self.log_reply(
             usage=answer.get("usage"), reasoning=int(bool(message.get("reasoning_content"))),
-            stop=answer["choices"][0].get("finish_reason"), spoke=bool(text),
+            stop=answer["choices"][0].get("finish_reason"), spoke=bool(text or calls),
         )
-        return text
+        return [text, *self._calls(calls)]
 
     def explain(self, exc: RemoteError) -> RemoteError:
         """A server that cannot take the audio part: say which model or stage to use instead."""

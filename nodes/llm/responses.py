@@ -11,10 +11,12 @@ support varies.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 from nodes._remote import RemoteError, RemoteLLM
+from nodes.llm._conversation import ToolCall
 from s2s_flow.messages import TextDelta, Transcript
 
 _REASONING_EVENTS = frozenset({
@@ -33,12 +35,15 @@ class ResponsesLLM(RemoteLLM):
     api_name = "Responses API"
     hint_404 = "use llm=chat (or fix llm.base_url if it should end in /v1)"
 
-    def request_body(self) -> dict[str, Any]:
+    def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
         body = self.generation_options()
-        body["input"] = [
-            {"type": "message", "role": m["role"], "content": m["content"]}
-            for m in self.conversation.messages()
-        ]
+        body["input"] = [item for m in self.conversation.messages() for item in input_items(m)]
+        if self.toolbox:
+            body["tools"] = [tool.responses_schema() for tool in self.toolbox.tools.values()]
+            named = tool_choice not in ("auto", "none", "required")
+            body["tool_choice"] = {"type": "function", "name": tool_choice} if named else tool_choice
+            if self.prefill(tool_choice):
+                body["input"] += input_items({"role": "assistant", "content": self.prefill(tool_choice)})
         body["stream"] = self.stream
         body["store"] = False
         if self.max_tokens is not None:
@@ -47,8 +52,9 @@ class ResponsesLLM(RemoteLLM):
             body["reasoning"] = {"effort": self.reasoning_effort}
         return {**body, **self.extra_body}
 
-    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str]:
+    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str | ToolCall]:
         reasoning, usage, stop, spoke = 0, None, None, False
+        calls: dict[str, dict[str, Any]] = {}  # function_call items by item id, in stream order
         for event, data in events:
             if not isinstance(data, dict):
                 continue
@@ -59,31 +65,74 @@ class ResponsesLLM(RemoteLLM):
                     yield data["delta"]
             elif kind in _REASONING_EVENTS:
                 reasoning += 1  # thinking is not spoken
+            elif kind in ("response.output_item.added", "response.output_item.done"):
+                item = data.get("item") or {}
+                if item.get("type") == "function_call":
+                    call = calls.setdefault(item.get("id") or item.get("call_id") or str(len(calls)), {})
+                    call.update({k: v for k, v in item.items() if v not in (None, "")})
+            elif kind == "response.function_call_arguments.delta":
+                call = calls.setdefault(data.get("item_id") or str(len(calls)), {})
+                call["streamed"] = call.get("streamed", "") + (data.get("delta") or "")
+            elif kind == "response.function_call_arguments.done":
+                calls.setdefault(data.get("item_id") or str(len(calls)), {})["arguments"] = data.get("arguments") or ""
             elif kind in ("response.completed", "response.incomplete"):
                 response = data.get("response") or {}
                 usage = response.get("usage")
                 stop = (response.get("incomplete_details") or {}).get("reason") or response.get("status")
             elif kind in ("error", "response.failed"):
                 raise self.server_error(data)
-        self.log_reply(usage=usage, reasoning=reasoning, stop=stop, spoke=spoke)
+        self.log_reply(usage=usage, reasoning=reasoning, stop=stop, spoke=spoke or bool(calls))
+        yield from self._calls(calls.values())
 
-    def full_text(self, answer: Any) -> str:
+    def _calls(self, items: Any) -> Iterator[ToolCall]:
+        """function_call items as tool calls; the arguments as the ``done`` event or item gave
+        them, else as their deltas added up."""
+        for item in items:
+            if not item.get("name"):
+                raise RemoteError(f"the server at {self.client.base_url} sent a function call without a "
+                                  f"name: {str(item)[:200]}")
+            arguments = item.get("arguments", item.get("streamed", ""))
+            yield ToolCall(id=item.get("call_id") or item.get("id") or self.toolbox.new_id(self._turn or 0),
+                           name=item["name"],
+                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+    def full_reply(self, answer: Any) -> list[str | ToolCall]:
         if not isinstance(answer, dict) or answer.get("error") or answer.get("status") == "failed":
             raise self.server_error(answer)
-        texts, reasoning = [], 0
+        texts, reasoning, calls = [], 0, []
         for item in answer.get("output") or ():
             if item.get("type") == "reasoning":
                 reasoning += 1
+            if item.get("type") == "function_call":
+                calls.append(item)
             if item.get("type") != "message":
                 continue
             texts += [c.get("text", "") for c in item.get("content") or () if c.get("type") == "output_text"]
         text = "".join(texts)
         stop = (answer.get("incomplete_details") or {}).get("reason") or answer.get("status")
-        self.log_reply(usage=answer.get("usage"), reasoning=reasoning, stop=stop, spoke=bool(text))
-        return text
+        self.log_reply(usage=answer.get("usage"), reasoning=reasoning, stop=stop, spoke=bool(text or calls))
+        return [text, *self._calls(calls)]
 
     def server_error(self, data: Any) -> RemoteError:
         return RemoteError(f"the server at {self.client.base_url} reported an error: {_error_text(data)}")
+
+
+def input_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message as Responses input items: typed text parts (``input_text`` in, ``output_text``
+    out; early llama.cpp builds refuse untyped assistant text), ``function_call`` and
+    ``function_call_output`` items for a tool round."""
+    role = message["role"]
+    if role == "tool":
+        return [{"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}]
+    items = []
+    if message.get("content"):
+        kind = "output_text" if role == "assistant" else "input_text"
+        items.append({"type": "message", "role": role, "content": [{"type": kind, "text": message["content"]}]})
+    for call in message.get("tool_calls") or ():
+        function = call["function"]
+        items.append({"type": "function_call", "call_id": call["id"], "name": function["name"],
+                      "arguments": function["arguments"]})
+    return items
 
 
 def _error_text(data: Any) -> str:

@@ -68,8 +68,10 @@ class TinyLlama:
     vocab_size: int
 
 
-def build_tiny_llama(out_dir: Path, seed: int = 0, config: TinyLlamaConfig = TinyLlamaConfig()) -> TinyLlama:
-    """Write a tiny random Llama as an HF directory and a GGUF under ``out_dir``."""
+def build_tiny_llama(out_dir: Path, seed: int = 0, config: TinyLlamaConfig = TinyLlamaConfig(),
+                     chat_template: str = CHATML_TEMPLATE) -> TinyLlama:
+    """Write a tiny random Llama as an HF directory and a GGUF under ``out_dir``; both carry
+    ``chat_template`` (e.g. one with tools: tests/support/tools.py)."""
     out_dir = Path(out_dir)
     hf_dir = out_dir / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
@@ -79,14 +81,14 @@ def build_tiny_llama(out_dir: Path, seed: int = 0, config: TinyLlamaConfig = Tin
     vocab = tokenizer.get_vocab()
     tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     ids = {tok: vocab[tok] for tok in SPECIAL_TOKENS}
-    _write_tokenizer_files(hf_dir, ids)
+    _write_tokenizer_files(hf_dir, ids, chat_template, config.max_position_embeddings)
 
     weights = _random_weights(config, tokens, np.random.default_rng(seed))
     _write_hf_model(hf_dir, config, weights, ids, len(tokens))
 
     gguf_path = out_dir / "tiny-llama-f32.gguf"
     merges = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["merges"]
-    _write_gguf(gguf_path, config, weights, tokens, merges, ids)
+    _write_gguf(gguf_path, config, weights, tokens, merges, ids, chat_template)
     return TinyLlama(hf_dir=hf_dir, gguf_path=gguf_path, eos_token_id=ids[IM_END], vocab_size=len(tokens))
 
 
@@ -106,7 +108,7 @@ def _train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def _write_tokenizer_files(hf_dir: Path, ids: dict[str, int]) -> None:
+def _write_tokenizer_files(hf_dir: Path, ids: dict[str, int], chat_template: str, max_length: int) -> None:
     added = {
         str(ids[tok]): {
             "content": tok,
@@ -130,10 +132,10 @@ def _write_tokenizer_files(hf_dir: Path, ids: dict[str, int]) -> None:
             "add_eos_token": False,
             "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,  # llama.cpp streams pieces as they are
-            "model_max_length": 512,
+            "model_max_length": max_length,
             "added_tokens_decoder": added,
             "additional_special_tokens": [IM_START, IM_END],
-            "chat_template": CHATML_TEMPLATE,
+            "chat_template": chat_template,
         },
     )
     _dump(
@@ -253,6 +255,7 @@ def _write_gguf(
     tokens: list[str],
     merges: list,
     ids: dict[str, int],
+    chat_template: str,
 ) -> None:
     import gguf
 
@@ -282,7 +285,7 @@ def _write_gguf(
     writer.add_pad_token_id(ids[BOS])
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
     for layer in range(cfg.num_hidden_layers):

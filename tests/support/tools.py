@@ -1,0 +1,79 @@
+"""Tools for the tool-calling tests: plain functions named in config by import path
+(``llm.tools=[tests.support.tools:get_weather]``), each described by its hints and docstring.
+
+Deterministic: the same city always gives the same weather. ``slow_lookup`` blocks until the
+test lets it go (``RELEASE``), so a test sees a tool still running without timing anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+WEATHER = {"paris": "sunny, 24 degrees", "rome": "cloudy, 18 degrees", "oslo": "snowing, minus 3 degrees"}
+CALLS: list[tuple[str, dict]] = []  # every call, in order: (tool, arguments)
+RELEASE = threading.Event()  # lets slow_lookup return
+
+#: The Qwen2.5-Instruct chat template (Apache-2.0; also in llama.cpp's models/templates): ChatML,
+#: the tools listed in the system message, calls written as <tool_call>{"name", "arguments"}</tool_call>,
+#: results as <tool_response> in a user turn. SmolLM2 and the tiny Llama speak ChatML, so either
+#: model takes it (llama-server --jinja --chat-template-file, or the HF tokenizer's chat_template).
+TOOL_TEMPLATE_PATH = Path(__file__).with_name("qwen25_tools.jinja")
+TOOL_TEMPLATE = TOOL_TEMPLATE_PATH.read_text()
+
+
+def get_weather(city: str) -> str:
+    """Get the current weather in a city.
+
+    Args:
+        city: The city's name, e.g. Paris.
+    """
+    CALLS.append(("get_weather", {"city": city}))
+    return f"The weather in {city} is {WEATHER.get(city.strip().lower(), 'mild, 20 degrees')}."
+
+
+class Unit(Enum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+def convert_temperature(degrees: float, to: Unit, precision: int = 0,
+                        style: Literal["short", "long"] = "short") -> str:
+    """Convert a temperature between Celsius and Fahrenheit.
+
+    :param degrees: the temperature to convert
+    :param to: the unit to convert to
+    :param precision: digits after the decimal point
+    :param style: how to phrase the answer
+    """
+    value = degrees * 9 / 5 + 32 if Unit(to) is Unit.FAHRENHEIT else (degrees - 32) * 5 / 9
+    return f"{value:.{precision}f} {Unit(to).value}"
+
+
+def broken_lookup(query: str) -> str:
+    """Look something up in a database that is down."""
+    CALLS.append(("broken_lookup", {"query": query}))
+    raise ConnectionError("the database at db.internal:5432 refused the connection")
+
+
+def slow_lookup(query: str) -> str:
+    """Look something up in a slow archive."""
+    CALLS.append(("slow_lookup", {"query": query}))
+    RELEASE.wait(30)
+    return f"The archive says: {query} is in aisle 7."
+
+
+def no_hints(city):  # noqa: ANN001 - on purpose: a tool the model cannot be told how to call
+    """Has a parameter without a type hint."""
+    return city
+
+
+def takes_a_set(cities: set[str]) -> str:
+    """Has a parameter whose type has no JSON schema."""
+    return ",".join(cities)
+
+
+def undocumented(city: str) -> str:
+    return city
