@@ -6,15 +6,12 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from s2s_flow.errors import ConfigError
 
-__all__ = ["conf_dir", "compose", "config_error", "given_search_path", "redact", "search_path", "with_search_path"]
-
-_SECRET = re.compile(r"(api_?key|token|secret|password)", re.I)
+__all__ = ["conf_dir", "compose", "config_error", "given_search_path", "search_path", "with_search_path"]
 
 
 def _package_gguf(package: str) -> str:
@@ -137,16 +134,3 @@ def compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     with_flag.pop("hydra", None)
     return OmegaConf.create(with_flag), choices
 
-
-def redact(cfg: Any) -> Any:
-    """A plain copy of ``cfg`` with every secret-looking value replaced by '***'."""
-    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: ("***" if _SECRET.search(str(k)) and v else walk(v)) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    return walk(data)

@@ -11,8 +11,9 @@ A recipe declares it as a top-level ``server:`` block::
 Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
 ``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``. If a server that looks
 like the expected one already answers ``ready_url`` it is used as is and left running;
-otherwise it is started in its own session, logged to ``server.log`` in the run dir, and
-stopped (process group: TERM, then KILL) on exit, on error and on SIGINT/SIGTERM.
+otherwise it is started in its own session, logged to ``server.log`` in the run dir (an
+``--api-key`` it was given shows as ``***`` there), and stopped (process group: TERM, then
+KILL) on exit, on error and on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from urllib.parse import urlsplit, urlunsplit
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from s2s_flow import redact
 from s2s_flow.errors import ConfigError, S2SError, answer_within
 from s2s_flow.scheduler import Stopped
 
@@ -416,20 +418,29 @@ class _Starter:
 
     def __init__(self, spec: ServerSpec, run_dir: Path, console: Any, signals: _Signals):
         self.spec, self.run_dir, self.console, self.signals = spec, run_dir, console, signals
+        self._copier: threading.Thread | None = None
 
     def start(self, argv: list[str]) -> tuple[subprocess.Popen, Path]:
         log_path = self.run_dir / self.spec.log
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
-        with open(log_path, "ab") as out:
-            out.write(f"$ {shlex.join(argv)}\n".encode())
-            out.flush()
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_pdeathsig(),
-            )
-        log.debug("started %s (pid %d), log in %s", shlex.join(argv), proc.pid, log_path)
+        redact.register(redact.command_secrets(argv, self.spec.env))
+        with open(log_path, "a", encoding="utf-8") as out:
+            out.write(f"$ {shlex.join(redact.argv(argv))}\n")
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, preexec_fn=_pdeathsig(),
+        )
+        self._copier = threading.Thread(target=_copy_masked, args=(proc.stdout, log_path), daemon=True,
+                                        name="server-log")
+        self._copier.start()
+        log.debug("started %s (pid %d), log in %s", shlex.join(redact.argv(argv)), proc.pid, log_path)
         return proc, log_path
+
+    def log_complete(self, timeout: float = 2.0) -> None:
+        """Wait (briefly: a child of the server may hold its output open) for the log's last lines."""
+        if self._copier is not None:
+            self._copier.join(timeout)
 
     def wait_ready(self, proc: subprocess.Popen | None, log_path: Path | None, what: str) -> float:
         """Seconds until ready_url answers 200; raises on death, timeout or a signal."""
@@ -465,6 +476,7 @@ class _Starter:
                 time.sleep(_POLL_S)
 
     def _died(self, proc: subprocess.Popen, log_path: Path | None, what: str) -> None:
+        self.log_complete()
         tail = _tail(log_path, 30) if log_path else ""
         if "couldn't bind" in tail or "Address already in use" in tail:
             raise ServerError(
@@ -478,6 +490,14 @@ class _Starter:
                     "llama.cpp release build, or download the GGUF and use -m.")
         raise ServerError(f"{what} exited with code {proc.returncode} while starting.{hint} "
                           f"Its log ({log_path}) ends with:\n{tail}")
+
+
+def _copy_masked(pipe: Any, path: Path) -> None:
+    """The server's output into its log, secrets masked: vLLM, for one, prints its arguments."""
+    with pipe, open(path, "a", encoding="utf-8") as out:
+        for line in iter(lambda: pipe.readline(1 << 16), b""):
+            out.write(redact.text(line.decode("utf-8", "replace")))
+            out.flush()
 
 
 def _markup_safe(text: str) -> str:
@@ -510,7 +530,7 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
                 models = _model_ids(spec, _probe(spec.ready_url).body) or []
                 if spec.model and models and not _same_model(spec.model, models):
                     log.warning("the server started for %s lists the model as %s", spec.model, models[0])
-                handle = ServerHandle(spec.ready_url, True, argv, proc.pid, str(log_path),
+                handle = ServerHandle(spec.ready_url, True, redact.argv(argv), proc.pid, str(log_path),
                                       round(ready_s, 3), models)
                 _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
             _write_info(run_dir, handle)
@@ -522,6 +542,7 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
             signals.mode = "hold"
             if proc is not None:
                 _stop(proc, spec.stop_timeout_s)
+                starter.log_complete()
                 log.debug("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
 
 
