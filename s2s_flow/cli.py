@@ -3,7 +3,8 @@
 A plain run is composed once up front with Hydra's compose API, so configuration errors
 are reported as one paragraph with exit code 2 before anything loads, and ``dry_run``
 never creates a run directory. Runs and sweeps (``-m``) then go through ``hydra.main``
-for run directories, multirun and launchers.
+for run directories, multirun and launchers. Exit codes: 2 for a configuration error (a run
+dir that cannot be made too), 1 for a failed run or a sweep with a failed job, 130 for a signal.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import json
 import logging
 import os
 import sys
+import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from s2s_flow.compose import compose, conf_dir, given_search_path, redact, search_path, with_search_path
-from s2s_flow.errors import ConfigError, S2SError
+from s2s_flow import redact
+from s2s_flow.compose import compose, conf_dir, given_search_path, search_path, with_search_path
+from s2s_flow.errors import Abort, ConfigError, S2SError
 from s2s_flow.graph import Graph, build_graph
 from s2s_flow.validate import validate
 
@@ -102,11 +106,36 @@ def _is_plain(argv: list[str]) -> bool:
 
 def _fail(exc: S2SError) -> None:
     print(f"s2s-run: error: {exc}", file=sys.stderr)
-    sys.exit(exc.exit_code)
+    _exit(exc.exit_code)
+
+
+_threads_before: set[int | None] = set()  # idents of the threads alive when main() began (picklable)
+
+
+def _exit(code: int) -> None:
+    """sys.exit, unless a thread this run started is still alive (a setup() stalled in a
+    download, which nothing can stop): Python would wait for it at exit (non-daemon threads,
+    and every thread-pool worker, daemon or not), so flush and leave at once. The recipe
+    server and the run dir were seen to on the way here."""
+    stuck = [t for t in threading.enumerate() if t.is_alive() and t is not threading.current_thread()
+             and t.ident not in _threads_before]
+    if stuck:
+        log.debug("leaving %d thread(s) behind: %s", len(stuck), ", ".join(t.name for t in stuck))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str, Any]:
-    """One job: plan, run every conversation, write the results into ``run_dir``."""
+    """One job: plan, run every conversation, write the results into ``run_dir``.
+    With dry_run=true (each job of a sweep too) it plans, prints the graph and loads nothing."""
+    graph = plan(cfg, choices)
+    if cfg.get("dry_run"):
+        print(describe(graph), flush=True)
+        return {"dry_run": True, "run_dir": str(run_dir)}
+
     from rich.console import Console
 
     from s2s_flow import metrics
@@ -114,9 +143,8 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     from s2s_flow.server import managed_server
 
     console = Console(stderr=True)
-    graph = plan(cfg, choices)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact(cfg))))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact.masked(cfg))))
     (run_dir / "choices.json").write_text(json.dumps(choices, indent=2))
     scheduler = Scheduler(graph, run_dir, console=console)
     server = None
@@ -144,6 +172,8 @@ def _hydra_entry() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from s2s_flow.scheduler import Stopped
+
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def _job(cfg: DictConfig) -> Any:
         hc = HydraConfig.get()
@@ -151,18 +181,27 @@ def _hydra_entry() -> None:
         run_dir = Path(hc.runtime.output_dir)
         try:
             return run_job(cfg, choices, run_dir)
-        except S2SError as exc:
-            if hc.mode == RunMode.MULTIRUN:  # keep the sweep going; the summary reports it
-                (run_dir / "error.txt").write_text(f"{exc}\n")
-                log.error("job failed: %s", exc)
-                return {"error": str(exc), "run_dir": str(run_dir)}
-            _fail(exc)
+        except Exception as exc:
+            if hc.mode != RunMode.MULTIRUN:
+                if isinstance(exc, S2SError):
+                    _fail(exc)
+                raise
+            # A failed job is a row of the sweep and the next job runs; a job stopped by a
+            # signal stops the sweep after its row (sweep.SweepReport.on_job_end).
+            error = str(exc) if isinstance(exc, S2SError) else f"{type(exc).__name__}: {exc}"
+            detail = error if isinstance(exc, S2SError) else traceback.format_exc()
+            (run_dir / "error.txt").write_text(redact.text(f"{detail}\n"))
+            log.error("job failed: %s", error)
+            stopped = {"stopped": True} if isinstance(exc, Stopped) else {}
+            return {"error": error, "run_dir": str(run_dir), **stopped}
 
     _job()
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _threads_before.update(t.ident for t in threading.enumerate())
+    redact.guard()  # first: the log handlers made below write through the masked stderr
     logging.basicConfig(level=os.environ.get("S2S_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("httpx", "httpcore"):  # one INFO line per request drowns the turn log
@@ -179,18 +218,29 @@ def main(argv: list[str] | None = None) -> None:
     if _is_plain(argv):
         try:
             cfg, choices = compose(argv)
+            argv = redact.hide_overrides(argv, cfg)  # Hydra gets ${oc.env:..} for each secret
             graph = plan(cfg, choices)
         except S2SError as exc:
             _fail(exc)
         if cfg.get("dry_run"):
             print(describe(graph))
             return
+    else:
+        argv = redact.hide_overrides(argv)
     argv = with_search_path(argv)
     sys.argv = [sys.argv[0] if sys.argv else "s2s-run", *argv]
+    from s2s_flow.sweep import last_sweep
+
+    before = last_sweep()
     try:
         _hydra_entry()
     except ConfigError as exc:
         _fail(exc)
+    except Abort as exc:  # raised past Hydra's catch-alls by the sweep callback (run dir, Ctrl-C)
+        _fail(exc.error)
+    sweep = last_sweep()
+    if sweep is not before and sweep is not None and sweep.failed:  # after its summary was written
+        _exit(1)
 
 
 if __name__ == "__main__":

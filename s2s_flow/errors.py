@@ -73,3 +73,12 @@ class NodeFailed(S2SError):
         self.node, self.exc = node, exc
         detail = str(exc) if isinstance(exc, S2SError) else f"{type(exc).__name__}: {exc}"
         super().__init__(f"node '{node}' failed: {detail}")
+
+
+class Abort(BaseException):
+    """Carries an answer out through code that catches every Exception (Hydra's launchers
+    and its error report, which would print a traceback) up to s2s-run, which prints it."""
+
+    def __init__(self, error: S2SError):
+        super().__init__(str(error))
+        self.error = error

@@ -9,20 +9,26 @@ Life of a run:
 3. ``close()`` on every node, once.
 
 A node that raises stops the graph: rings are closed, blocked threads are woken, nodes
-still busy are closed to unblock them, and the error names the node. SIGINT and SIGTERM
-stop the same way. Barge-in is :meth:`Scheduler.interrupt`: the epoch moves to the new
-turn, stale messages are flushed from every ring and dropped at every hop, and each node's
-``on_interrupt`` is called so it can close a stream at once.
+still busy are closed to unblock them, and the error names the node; whatever ends a
+node's thread counts, so nothing dies unreported. SIGINT and SIGTERM stop the same way,
+also while setups still load: a ``setup()`` stalled in a download cannot be killed, so its
+thread is a daemon that is left behind, never waited for. A second signal while stopping
+gives up on the nodes' ``close()`` and leaves at once.
+
+Barge-in is :meth:`Scheduler.interrupt`: the epoch moves to the new turn, stale messages
+are flushed from every ring and dropped at every hop, and each node's ``on_interrupt`` is
+called so it can close a stream at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import queue
 import signal
 import threading
 import time
-from collections.abc import Generator, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 from types import GeneratorType
 from typing import Any
@@ -108,6 +114,8 @@ class Scheduler:
         self._error: tuple[str, BaseException] | None = None
         self._stop_reason: str | None = None
         self._closed: set[str] = set()
+        self._abandoned = False  # a second signal: leave without waiting for close()
+        self._in_setup: list[str] = []  # nodes whose setup() had not returned when the run stopped
         self._progress: dict[str, str] = {}
         self._runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
         shared: dict[str, Any] = {}
@@ -115,7 +123,7 @@ class Scheduler:
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,
                                    progress=lambda text, n=run.name: self._set_progress(n, text),
-                                   shared=shared)
+                                   shared=shared, record=self.trace.event)
             run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
 
     # -- control -----------------------------------------------------------------------
@@ -181,9 +189,11 @@ class Scheduler:
             self._raise_if_failed()
             return self.trace
         finally:
-            gc.unfreeze()
-            self._close_all()
-            restore()
+            try:
+                gc.unfreeze()
+                self._close_all()
+            finally:
+                restore()
 
     def _driver(self) -> _Running | None:
         sources = [r for r in self._runs.values() if not r.spec.cls.inputs]
@@ -193,32 +203,49 @@ class Scheduler:
         self._progress[name] = text
 
     def _setup_all(self) -> None:
+        """Every ``setup()`` at once, each on its own daemon thread.
+
+        Not a pool: a pool is joined on the way out, so a setup stalled in a download or on
+        a server that never answers would hold the process after a signal. A daemon thread
+        that never returns is left behind, and the stop names its node.
+        """
         t0 = time.monotonic()
-        pending = {name: run for name, run in self._runs.items()}
-        status = self.console.status("setting up") if self.console is not None else None
-        with ThreadPoolExecutor(max_workers=max(1, len(pending)), thread_name_prefix="setup") as pool:
-            futures = {pool.submit(run.node.setup): name for name, run in pending.items()}
-            if status is not None:
-                status.start()
+        finished: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
+
+        def setup(run: _Running) -> None:
             try:
-                while futures and not self._stopping.is_set():
-                    done = [f for f in futures if f.done()]
-                    for f in done:
-                        name = futures.pop(f)
-                        if f.exception() is not None:
-                            self._fail(name, f.exception())  # type: ignore[arg-type]
-                        self.trace.event("setup", node=name, seconds=round(time.monotonic() - t0, 3))
-                    if status is not None:
-                        waiting = ", ".join(f"{futures[f]}: {self._progress.get(futures[f], 'loading')}"
-                                            for f in futures)
-                        status.update(f"setting up ({time.monotonic() - t0:.1f}s) {waiting}")
-                    if futures:
-                        time.sleep(0.05)
-            finally:
+                run.node.setup()
+            except BaseException as exc:
+                finished.put((run.name, exc))
+            else:
+                finished.put((run.name, None))
+
+        def returned(name: str, exc: BaseException | None) -> None:
+            pending.remove(name)
+            if exc is not None and not self._stopping.is_set():
+                self._fail(name, exc)
+            error = {"error": f"{type(exc).__name__}: {exc}"} if exc is not None else {}
+            self.trace.event("setup", node=name, seconds=round(time.monotonic() - t0, 3), **error)
+
+        pending = list(self._runs)
+        for run in self._runs.values():
+            threading.Thread(target=setup, args=(run,), name=f"setup:{run.name}", daemon=True).start()
+        status = self.console.status("setting up") if self.console is not None else None
+        if status is not None:
+            status.start()
+        try:
+            while pending and not self._stopping.is_set():
+                with contextlib.suppress(queue.Empty):
+                    returned(*finished.get(timeout=0.05))
                 if status is not None:
-                    status.stop()
-                if self._stopping.is_set():
-                    pool.shutdown(wait=False, cancel_futures=True)
+                    waiting = ", ".join(f"{n}: {self._progress.get(n, 'loading')}" for n in pending)
+                    status.update(f"setting up ({time.monotonic() - t0:.1f}s) {waiting}")
+        finally:
+            if status is not None:
+                status.stop()
+            while not finished.empty():  # setups that returned as the run stopped
+                returned(*finished.get_nowait())
+            self._in_setup = pending
         self._raise_if_failed()
 
     def _run_session(self, index: int, name: str) -> None:
@@ -237,8 +264,9 @@ class Scheduler:
             wired.append((edge, ring))
         self.trace.event("session", index=index, conversation=name)
         for run in self._runs.values():
-            target = self._source_loop if not run.spec.cls.inputs else self._node_loop
-            run.thread = threading.Thread(target=target, args=(run,), name=f"node:{run.name}", daemon=True)
+            loop = self._source_loop if not run.spec.cls.inputs else self._node_loop
+            run.thread = threading.Thread(target=self._guarded, args=(loop, run), name=f"node:{run.name}",
+                                          daemon=True)
             run.thread.start()
         self._wait_threads()
         for edge, ring in wired:
@@ -277,14 +305,23 @@ class Scheduler:
             if run.thread is not None:
                 run.thread.join(max(0.0, deadline - time.monotonic()))
 
+    def _guarded(self, loop: Callable[[_Running], None], run: _Running) -> None:
+        """A node's thread: whatever ends it with an exception (even in a loop's cleanup)
+        fails the run and names the node, rather than reaching threading.excepthook."""
+        try:
+            loop(run)
+        except BaseException as exc:
+            self._fail(run.name, exc)
+
     def _source_loop(self, run: _Running) -> None:
         wakes: list[Any] = []
         try:
             self._emit(run, run.node.produce(), wakes)
             if not self._stopping.is_set():
                 self._emit(run, run.node.finish(), wakes)
-        except RingClosed:
-            pass
+        except RingClosed as exc:
+            if not self._stopped:  # only stop() closes a ring under a running source
+                self._fail(run.name, exc)
         except BaseException as exc:
             self._fail(run.name, exc)
         finally:
@@ -337,9 +374,9 @@ class Scheduler:
                         if self._stopped:
                             return
                 self._forward(run, pending, wakes)
-        except RingClosed:
-            if not self._stopped:
-                raise
+        except RingClosed as exc:
+            if not self._stopped:  # only stop() closes a ring under a running node
+                self._fail(run.name, exc)
         except BaseException as exc:
             self._fail(run.name, exc)
         finally:
@@ -420,12 +457,14 @@ class Scheduler:
     # -- teardown ------------------------------------------------------------------------
 
     def _close(self, run: _Running) -> None:
-        if run.name in self._closed:
+        if run.name in self._closed or self._abandoned:
             return
         self._closed.add(run.name)
         try:
             run.node.close()
         except Exception as exc:
+            if self._abandoned:  # the second signal's Stopped, raised inside a close() that hung
+                raise
             self.trace.event("close_error", node=run.name, error=f"{type(exc).__name__}: {exc}")
 
     def _close_all(self) -> None:
@@ -437,7 +476,16 @@ class Scheduler:
             name, exc = self._error
             raise NodeFailed(name, exc) from exc
         if self._stop_reason is not None:
-            raise Stopped(f"stopped by {self._stop_reason}; what was already written is kept")
+            stalled = self._stalled_setups()
+            raise Stopped(f"stopped by {self._stop_reason}{' while ' + stalled if stalled else ''}; what was "
+                          "already written is kept")
+
+    def _stalled_setups(self) -> str:
+        if not self._in_setup:
+            return ""
+        names = ", ".join(f"'{n}'" for n in self._in_setup)
+        return (f"the setup() of {names} had not returned (a model load, a download or a server that does "
+                "not answer)")
 
     def _install_signal_handlers(self) -> Any:
         if threading.current_thread() is not threading.main_thread():
@@ -445,7 +493,16 @@ class Scheduler:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def handler(signum: int, frame: Any) -> None:
-            self.stop(signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if not self._stopping.is_set():
+                self.stop(name)
+                return
+            # Asked again while stopping: give up on nodes still closing and leave now.
+            self._abandoned = True
+            why = [f"node '{self._error[0]}' had failed: {self._error[1]}"] if self._error else []
+            why += [self._stalled_setups()] if self._in_setup else []
+            raise Stopped(f"stopped by {name} a second time: left without waiting for the nodes to close"
+                          + "".join(f"; {w}" for w in why))
 
         for sig in previous:
             signal.signal(sig, handler)

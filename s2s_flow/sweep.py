@@ -5,7 +5,8 @@ callback (conf/config.yaml, ``hydra.callbacks``) writes ``job.json`` into each j
 its overrides, latency figures or error, the launcher, whether the job ran in a fresh
 process or one that had run jobs before, the hardware, package versions and the model
 server it used -- and gathers all jobs into ``sweep.csv``, ``sweep.md`` and ``sweep.png``
-in the sweep dir. A failed job is a row with its error; the other rows are kept.
+in the sweep dir. A failed job is a row with its error; the other rows are kept, and
+s2s-run then exits 1. Ctrl-C or SIGTERM ends the sweep after the row of the job it stopped.
 
 Rebuild the summary of a sweep dir (e.g. after a crash): ``python -m s2s_flow.sweep DIR``
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import gc
 import importlib.metadata
 import json
@@ -29,13 +31,14 @@ import time
 from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hydra.experimental.callback import Callback
 
+from s2s_flow import redact
 from s2s_flow.metrics import PARTS
 
-__all__ = ["SweepReport", "collect", "write_report", "hardware", "versions", "main"]
+__all__ = ["SweepReport", "collect", "write_report", "hardware", "versions", "main", "last_sweep"]
 
 #: Distributions whose versions every row records (those installed).
 PACKAGES = ("s2s-flow", "hydra-core", "omegaconf", "numpy", "onnxruntime", "silero-vad", "faster-whisper",
@@ -52,14 +55,20 @@ _jobs_in_process = 0  # jobs started in this process: more than one means a reus
 
 
 class SweepReport(Callback):
-    """Per job: ``job.json``. Per sweep: ``sweep.csv``, ``sweep.md``, ``sweep.png``."""
+    """Per job: ``job.json``. Per sweep: ``sweep.csv``, ``sweep.md``, ``sweep.png``, and the
+    outcome s2s-run's exit code tells (:func:`last_sweep`); a job stopped by a signal stops
+    the sweep. It also makes the run or sweep dir first (:func:`make_output_dir`)."""
 
     def __init__(self) -> None:
         self._sweep_pid: int | None = None
         self._started: tuple[float, float | None, dict[str, int]] | None = None
 
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        make_output_dir(config, "hydra.run.dir")
+
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self._sweep_pid = os.getpid()
+        make_output_dir(config, "hydra.sweep.dir")
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         if not _multirun(config):
@@ -75,18 +84,71 @@ class SweepReport(Callback):
         out = Path(config.hydra.runtime.output_dir)
         info = job_info(config, job_return, self._started)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "job.json").write_text(json.dumps(info, indent=1, default=str))
+        (out / "job.json").write_text(redact.text(json.dumps(info, indent=1, default=str)))
         if info["status"] != "ok" and not (out / "error.txt").exists():
-            (out / "error.txt").write_text(info["error"] + "\n")
-        if os.getpid() == self._sweep_pid:  # sequential, in the sweep's process: keep the summary current
-            write_report(Path(config.hydra.sweep.dir), plot=False)
+            (out / "error.txt").write_text(redact.text(info["error"] + "\n"))
+        if os.getpid() != self._sweep_pid:
+            return
+        # sequential, in the sweep's process: keep the summary current (the plot comes at the end,
+        # or from `python -m s2s_flow.sweep DIR`: drawing it takes a second)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_report(sweep_dir, plot=False)
+        value = job_return._return_value
+        if isinstance(value, Mapping) and value.get("stopped"):  # Ctrl-C or SIGTERM: end the sweep too
+            from s2s_flow.errors import Abort
+            from s2s_flow.scheduler import Stopped
+
+            raise Abort(Stopped(f"job {info['job']}: {info['error']}. No further job was started; the summary "
+                                f"of the {len(rows)} job{'s' * (len(rows) != 1)} run: {sweep_dir / 'sweep.md'}"))
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        global _last
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write_report(sweep_dir, plot=True)
+        rows = write_report(sweep_dir, plot=not config.get("dry_run"))
         failed = sum(r["status"] != "ok" for r in rows)
+        _last = SweepOutcome(len(rows), failed, sweep_dir / "sweep.md")
         print(f"sweep: {len(rows)} job{'s' * (len(rows) != 1)}"
               f"{f', {failed} failed' if failed else ''}: {sweep_dir / 'sweep.md'}", file=sys.stderr)
+
+
+class SweepOutcome(NamedTuple):
+    """How a sweep ended: its jobs, how many failed, and where its summary is."""
+
+    jobs: int
+    failed: int
+    summary: Path
+
+
+_last: SweepOutcome | None = None
+
+
+def last_sweep() -> SweepOutcome | None:
+    """What the last sweep of this process came to: s2s-run exits 1 when a job failed."""
+    return _last
+
+
+def make_output_dir(config: Any, key: str) -> None:
+    """Make the run (or sweep) dir before Hydra does, so that one that cannot be made or
+    written (hydra.run.dir=/proc/x, a path through a file, a read-only disk) is an answer
+    with exit code 2, not Hydra's traceback."""
+    from omegaconf import OmegaConf
+
+    from s2s_flow.errors import Abort, ConfigError
+
+    try:
+        path = Path(str(OmegaConf.select(config, key, throw_on_missing=True)))
+    except Exception:  # an interpolation only Hydra resolves: it makes the dir itself
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    except OSError as exc:
+        what, example = ("run", "outputs/run1") if key == "hydra.run.dir" else ("sweep", "multirun/sweep1")
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise Abort(ConfigError(
+            f"{key}={path}: the {what} directory cannot be made or written: {exc.strerror or exc}{where}. "
+            f"Point {key} at a directory s2s-run can create and write, e.g. {key}={example}")) from None
 
 
 def _multirun(config: Any) -> bool:
@@ -120,7 +182,7 @@ def job_info(config: Any, job_return: Any,
                     if v is not None and not str(k).startswith("hydra/")},
         "status": "failed" if error else "ok",
         "error": error,
-        "figures": {k: v for k, v in result.items() if k not in ("run_dir", "error")},
+        "figures": {k: v for k, v in result.items() if k not in ("run_dir", "error", "stopped", "dry_run")},
         "run_dir": str(config.hydra.runtime.output_dir),
         "launcher": _launcher_name(launcher, config.hydra.launcher),
         "process": "fresh" if _jobs_in_process <= 1 else f"reused (its job {_jobs_in_process})",

@@ -30,11 +30,12 @@ def question(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def sweep(sweep_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def sweep(sweep_dir: Path, *overrides: str, timeout: float = 600, code: int = 0) -> subprocess.CompletedProcess:
+    """The sweep; ``code`` is its exit code: 1 when a job failed (after the summary is written)."""
     env = {**os.environ, "S2S_LOG_LEVEL": "WARNING"}
     proc = subprocess.run([sys.executable, "-m", "s2s_flow.cli", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
                           capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 
 
@@ -81,7 +82,7 @@ def test_a_2x2_sweep_of_the_offline_stack_gives_four_rows_a_csv_and_a_plot(tmp_p
 
 def test_a_failing_job_is_reported_and_the_others_are_kept(tmp_path: Path, question: Path):
     out = tmp_path / "sweep"
-    sweep(out, "chain=[io.source,vad]", "vad.threshold=0.5,2.0,0.6", f"io.input={question}")
+    sweep(out, "chain=[io.source,vad]", "vad.threshold=0.5,2.0,0.6", f"io.input={question}", code=1)
     rows = read_csv(out / "sweep.csv")
     assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
     assert "vad.threshold=2.0" in rows[1]["error"]
@@ -98,7 +99,7 @@ def test_joblib_runs_jobs_in_parallel_processes(tmp_path: Path, question: Path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install 's2s-flow[sweep-joblib]'")
     out = tmp_path / "sweep"
     sweep(out, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "chain=[io.source,vad]",
-          "vad.min_silence_ms=300,500", "vad.threshold=0.5,3.0", f"io.input={question}")
+          "vad.min_silence_ms=300,500", "vad.threshold=0.5,3.0", f"io.input={question}", code=1)
     rows = read_csv(out / "sweep.csv")
     assert len(rows) == 4
     assert [r["status"] for r in rows] == ["ok", "failed", "ok", "failed"]

@@ -3,14 +3,17 @@ and nodes that fail or block on purpose (faults no real backend produces on dema
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from s2s_flow.messages import AudioChunk, Message, TextDelta, Transcript
 from s2s_flow.node import Node
+from s2s_flow.rings import RingClosed
 
 
 class CountSource(Node):
@@ -198,3 +201,74 @@ class Split(Node):
 
 class CollectTranscripts(Collect):
     inputs = {"text": Transcript}
+
+
+class SocketStall(Node):
+    """A ``setup()`` stuck on a server that takes the connection and never answers, as a
+    stalled download or model load is: it blocks in ``recv()`` until the process ends. With
+    ``in_pool`` the wait runs in a worker of a thread pool, as hub downloads do (Python joins
+    such workers at exit). With ``stall_close``, ``close()`` hangs too, on a second connection."""
+
+    inputs = {"text": Transcript}
+
+    def __init__(self, *, port: int, host: str = "127.0.0.1", in_pool: bool = False, stall_close: bool = False):
+        self.host, self.port, self.in_pool, self.stall_close = host, port, in_pool, stall_close
+        self._socks: list[socket.socket] = []
+
+    def setup(self) -> None:
+        if self.in_pool:
+            ThreadPoolExecutor(1, thread_name_prefix="download").submit(self._wait_for_an_answer).result()
+        else:
+            self._wait_for_an_answer()
+
+    def process(self, port: str, msg: Message) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.stall_close:
+            self._wait_for_an_answer()
+
+    def _wait_for_an_answer(self) -> None:
+        sock = socket.create_connection((self.host, self.port))
+        self._socks.append(sock)
+        sock.recv(1)
+
+
+class MarkSetup(Node):
+    """Leaves a line in ``path`` when its ``setup()`` runs (a model load a dry run must not
+    do), then fails there with ``fail``."""
+
+    inputs = {"text": Transcript}
+
+    def __init__(self, *, path: str, fail: bool = False):
+        self.path, self.fail = path, fail
+
+    def setup(self) -> None:
+        with open(self.path, "a") as fh:
+            fh.write("setup ran\n")
+        if self.fail:
+            raise RuntimeError("model file is corrupt")
+
+    def process(self, port: str, msg: Message) -> None:
+        pass
+
+
+class ClosesRing(Node):
+    """Its ``process()`` raises RingClosed, as a node that misuses a ring of its own would:
+    the run must fail and name it, not lose the thread quietly."""
+
+    inputs = {"text": Transcript}
+    outputs = {"text": TextDelta}
+
+    def process(self, port: str, msg: Message) -> None:
+        raise RingClosed("a ring of its own")
+
+
+class ClosesRingSource(Node):
+    """The same in a source, after one transcript."""
+
+    outputs = {"text": Transcript}
+
+    def produce(self) -> Iterator[Transcript]:
+        yield Transcript(turn=1, text="one")
+        raise RingClosed("a ring of its own")
