@@ -93,12 +93,18 @@ def test_metrics_end_of_speech_is_the_vads_estimate_on_the_wall_clock(conversati
 
 
 def test_speech_end_is_within_one_vad_window_of_the_truth(conversation, vad_only_run):
-    _, ends = conversation
+    path, ends = conversation
+    # Silero's own estimate, from the audio alone: measured 10, 10 and 22 ms late on this
+    # speech (deterministic audio: tests/support/speech.py); at most 30 ms over 8 draws
+    # of Piper's noise. Within one window, as its decisions are made window by window.
+    own = [e - end for e, end in zip(vad_stream_ends(path), ends, strict=True)]
+    assert all(abs(e) <= VAD_WINDOW_S for e in own), f"Silero's errors (s): {own}"
     turns = vad_only_run["metrics"]["turns"]
     assert len(turns) == len(ends)
     start = playback_start(vad_only_run["trace"])
     errors = [t["speech_end_s"] - (start + end) for t, end in zip(turns, ends, strict=True)]
-    assert all(abs(e) <= VAD_WINDOW_S for e in errors), f"errors (s): {errors}"
+    # the engine adds the paced source's wake-up jitter (the test above bounds it)
+    assert all(abs(e) <= VAD_WINDOW_S + JITTER_S for e in errors), f"errors (s): {errors}"
 
 
 def test_latencies_of_the_offline_stack_are_measured_from_the_end_of_speech(conversation, tmp_path: Path,

@@ -146,7 +146,7 @@ def test_close_wakes_a_blocked_producer_with_ring_closed():
 
     t = threading.Thread(target=put)
     t.start()
-    time.sleep(0.02)
+    assert wait_until(lambda: ring._room, 5, 0.001)  # the producer is blocked, waiting for room
     ring.close(discard=True)
     t.join(1)
     assert not t.is_alive() and errors

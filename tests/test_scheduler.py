@@ -102,16 +102,22 @@ def test_interrupt_flushes_stale_turns_closes_the_stream_and_lets_the_new_turn_t
                              "llm": {"_target_": T + "Streamer", "pieces": 200, "delay_s": 0.005},
                              "out": {"_target_": T + "Collect"}})
     llm, out = node(s, "llm"), node(s, "out")
+    fed = threading.Event()
 
     def feed() -> None:  # a user turn, then barge-in by turn 2 while turn 1 streams
         wait_until(lambda: s._runs["llm"].inbox.rings, 10, 0.005)  # the session's rings exist after setup
         ring = s._runs["llm"].inbox.rings[0]
         ring.put(Transcript(turn=1, text="hello"))
-        time.sleep(0.15)
+        wait_until(lambda: any(m.turn == 1 for m in out.got), 10, 0.001)  # turn 1 is streaming
         s.interrupt(2)
         ring.put(Transcript(turn=2, text="stop"))
+        fed.set()
 
-    s._runs["src"].node.produce = lambda: (time.sleep(0.6) or iter(()))  # keep the session open
+    def produce():  # the session stays open until both turns are in; end of stream then drains them
+        fed.wait(10)
+        return iter(())
+
+    s._runs["src"].node.produce = produce
     threading.Thread(target=feed).start()
     s.run()
     turn1 = [m for m in out.got if m.turn == 1]
@@ -123,7 +129,7 @@ def test_interrupt_flushes_stale_turns_closes_the_stream_and_lets_the_new_turn_t
 
 
 SIGNAL_SCRIPT = textwrap.dedent("""
-    import sys, time
+    import sys, threading, time
     sys.path.insert(0, ".")
     from omegaconf import OmegaConf
     from s2s_flow.graph import build_graph
@@ -133,7 +139,11 @@ SIGNAL_SCRIPT = textwrap.dedent("""
     cfg = OmegaConf.create({"chain": ["src", "up", "out"], "src": {"_target_": T + "CountSource", "n": 10**9},
                             "up": {"_target_": T + "Upper", "delay_s": 0.001}, "out": {"_target_": T + "Collect"}})
     s = Scheduler(validate(build_graph(cfg)), ".")
-    print("running", flush=True)
+    def announce():  # once messages reach the sink, run() is running and handles signals
+        while not s.graph.nodes["out"].node.got:
+            time.sleep(0.001)
+        print("running", flush=True)
+    threading.Thread(target=announce, daemon=True).start()
     try:
         s.run()
     except Stopped as exc:
@@ -147,7 +157,6 @@ def test_sigint_and_sigterm_stop_a_running_graph_within_a_second(sig, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT], cwd=os.getcwd(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "running"
-    time.sleep(0.3)
     t0 = time.monotonic()
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=10)

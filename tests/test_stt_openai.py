@@ -26,7 +26,7 @@ from s2s_flow.messages import Speech
 from s2s_flow.node import Context
 from tests.support.http_fixture import Reply, Request, free_port, http_server, parse_multipart
 from tests.support.speech import QUESTIONS, synthesize
-from tests.support.wer import wer
+from tests.support.wer import word_errors
 
 ASKED = QUESTIONS[1:3]
 
@@ -86,7 +86,11 @@ def test_a_real_openai_compatible_server_transcribes_utterances(whisper_server, 
     stt = make(tmp_path, base_url=whisper_server, model="tiny.en")
     transcripts = [t for i, q in enumerate(ASKED) for t in stt.process("audio", speech(q, turn=i + 1))]
     assert [t.turn for t in transcripts] == [1, 2]
-    assert wer(ASKED, [t.text for t in transcripts]) <= 0.05, [t.text for t in transcripts]
+    # Measured: no error in these 19 words on this speech (deterministic audio:
+    # tests/support/speech.py), nor with Piper's length_scale 0.9-1.1; 2 of 10 draws of Piper's
+    # noise gave one ("a marathon" -> "the marathon"). One misheard word is allowed.
+    errors = sum(word_errors(q, t.text)[0] for q, t in zip(ASKED, transcripts, strict=True))
+    assert errors <= 1, [t.text for t in transcripts]
     assert all(t.language == "en" for t in transcripts)
     stt.close()
 

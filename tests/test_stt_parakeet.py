@@ -81,7 +81,7 @@ def test_mlx_uses_the_mlx_conversion_of_the_default_model():
 
 
 @pytest.mark.parametrize("backend", ["mlx", "nemo"])
-def test_a_hub_model_offline_fails_fast_with_model_not_available(tmp_path, backend):
+def test_a_hub_model_offline_fails_fast_with_model_not_available(tmp_path, offline_hub, backend):
     module = "parakeet_mlx" if backend == "mlx" else "nemo"
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")

