@@ -17,9 +17,9 @@ import pytest
 __all__ = ["ALLOWED", "allowed", "in_ci", "skip_reason"]
 
 # Backends whose libraries bootstrap does not install (hub-only, no CPU wheel, or ~100 extra
-# packages), and the one skip that depends on the network. Matched as whole names in the
+# packages). Matched as whole names in the
 # reason ("nemo" allows "No module named 'nemo'", not "nemotron"), case-insensitively.
-ALLOWED = ("kokoro", "qwen3-tts", "nemo", "mlx_audio", "mlx-audio", "hub is reachable")
+ALLOWED = ("kokoro", "qwen3-tts", "nemo", "mlx_audio", "mlx-audio")
 
 _NAME = re.compile(r"[a-z0-9_]+(?:[.-][a-z0-9_]+)*")  # a word, a package or a dotted module name
 
