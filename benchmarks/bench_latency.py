@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from s2s_flow.cli import plan  # noqa: E402
 from s2s_flow.compose import compose  # noqa: E402
-from s2s_flow.corpus import build, manifest  # noqa: E402
+from s2s_flow.corpus import manifest  # noqa: E402
 from s2s_flow.messages import AudioChunk, AudioOut, Speech, TextDelta, Transcript  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
 from s2s_flow.server import managed_server  # noqa: E402
@@ -153,7 +153,8 @@ def run_alone(overrides: list[str], out: Path, repeat: int) -> dict[str, list[di
     nodes = {name: spec.node for name, spec in graph.nodes.items()}
     for name, node in nodes.items():
         node.ctx = Context(name, out)
-    corpus = build(cfg.bench)
+    nodes["source"].setup()  # the WAV source finds (or synthesizes once) the corpus
+    corpus = nodes["source"].corpus_dir
     entries = manifest(corpus)["files"]
     rate, results = int(cfg.io.rate), {}
     out.mkdir(parents=True, exist_ok=True)

