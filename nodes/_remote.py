@@ -514,6 +514,9 @@ class RemoteLLM(Node):
     tool calls come out of its stream events, and how they come out of a non-streamed answer.
     """
 
+    shared_safety = ("per session: one keep-alive connection each, which a barge-in cuts by its socket; "
+                     "the weights live on the model server, shared by every session")
+
     outputs = {"text": TextDelta}
     secret_params = frozenset({"api_key"})
 

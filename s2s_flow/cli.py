@@ -56,6 +56,7 @@ def describe(graph: Graph) -> str:
     for e in graph.edges:
         tag = " (explicit)" if e.explicit else ""
         lines.append(f"  {e.key:<34} {e.type.__name__:<13} ring {e.capacity:>4} {e.policy}{tag}")
+    lines += [f"serves: {spec.node.serves}" for spec in graph.nodes.values() if hasattr(spec.node, "serves")]
     return "\n".join(lines)
 
 
@@ -146,6 +147,10 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact.masked(cfg))))
     (run_dir / "choices.json").write_text(json.dumps(choices, indent=2))
+    serving = next((spec.node for spec in graph.nodes.values() if hasattr(spec.node, "serve")), None)
+    if serving is not None:  # io=realtime: one fresh graph per connection, models shared (DESIGN.md 10)
+        with managed_server(cfg.get("server"), run_dir, console=console):
+            return serving.serve(lambda: plan(cfg, choices), run_dir, console=console)
     scheduler = Scheduler(graph, run_dir, console=console)
     server = None
     try:
@@ -240,7 +245,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail(exc.error)
     sweep = last_sweep()
     if sweep is not before and sweep is not None and sweep.failed:  # after its summary was written
-        _exit(1)
+        # Every job has ended (a stalled setup can only end a job through a signal, which takes
+        # _fail's way out), so this is a plain exit: os._exit would skip the joblib launcher's
+        # atexit shutdown and leave its workers holding our stdout for loky's 300 s idle timeout.
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def build_graph(cfg: DictConfig, choices: dict[str, str] | None = None) -> Graph
 
     flowing: dict[type[Message], tuple[str, str]] = {}  # type -> nearest producer still flowing
     produced: dict[type[Message], tuple[str, str]] = {}  # type -> nearest producer at all
+    joining: dict[type[Message], tuple[str, str]] = {}  # Node.joins ports, for their type's first consumer
     for name in graph.chain:
         cls = graph.nodes[name].cls
         consumed = []
@@ -159,12 +160,19 @@ def build_graph(cfg: DictConfig, choices: dict[str, str] | None = None) -> Graph
                 graph.edges.append(Edge(src[0], src[1], name, port, typ))
                 if pool is flowing:
                     consumed.append(typ)
+                    for t, join in list(joining.items()):
+                        if issubclass(t, typ):
+                            del joining[t]
+                            if join != src:
+                                graph.edges.append(Edge(join[0], join[1], name, port, typ))
         for typ in consumed:
             flowing = {t: v for t, v in flowing.items() if not issubclass(t, typ)}
         for port, typ in cls.outputs.items():
             flowing.pop(typ, None)
             produced.pop(typ, None)
             flowing[typ] = produced[typ] = (name, port)
+            if port in cls.joins:
+                joining[typ] = (name, port)
 
     for src, src_port, dst, dst_port in explicit:
         for node, port, side in ((src, src_port, "outputs"), (dst, dst_port, "inputs")):

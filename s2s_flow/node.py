@@ -15,21 +15,39 @@ the class alone, without building a model::
 Each node runs on its own thread. ``__init__`` must stay cheap and import nothing heavy;
 heavy libraries are imported in ``setup()`` through :func:`require`, so a missing one is
 reported with its install command only for the backend that was chosen.
+
+Sessions and shared resources. One node instance serves one session (a conversation: a
+WebSocket connection of ``io=realtime``, the microphone, a run's files): everything on
+``self`` is per session (VAD state, history, playback position). What is heavy and
+stateless (weights, ONNX / CTranslate2 sessions) is loaded by ``load_shared()`` and reached
+through ``self.shared()`` in ``setup()``: it is loaded once per process for each
+``shared_key()`` and every session that asks gets the same object, from its own thread, so
+a backend states in ``shared_safety`` how it may be used::
+
+    shared_safety = "thread-safe"                   # or "locked: ..." / "per session: ..."
+    def shared_key(self): return (self.model, self.compute_type)
+    def load_shared(self): return WhisperModel(...)   # no per-session state in here
+    def setup(self): self._whisper = self.shared()
+
+The cache holds resources weakly: they live while a session's node (or a server that keeps
+them warm: :func:`keep_shared`) holds them, and are freed with the last one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
 
-__all__ = ["Node", "Context", "require"]
+__all__ = ["Node", "Context", "require", "keep_shared"]
 
 
 class Context:
@@ -65,6 +83,13 @@ class Context:
     def epoch(self) -> int:
         """Messages of turns below the epoch are stale (an interrupt bumped it)."""
         return self._epoch()
+
+    def new_turn(self) -> int:
+        """A turn number above every one given out in this run (the VAD's utterances, a
+        server's typed-in messages): turns must rise for the epochs to mean anything."""
+        with _TURN_LOCK:
+            turn = self.shared["turns"] = self.shared.get("turns", 0) + 1
+        return turn
 
     def interrupt(self, turn: int, reason: str = "barge-in") -> None:
         """Declare every turn before ``turn`` stale: rings are flushed, nodes told."""
@@ -102,7 +127,41 @@ class Node:
     #: engine masks exactly these, by name: s2s_flow/redact.py)
     secret_params: ClassVar[frozenset[str]] = frozenset()
 
+    #: output ports whose messages also join the stream of their type further down the chain:
+    #: the first stage that takes that type from a later producer takes these too (a server's
+    #: typed-in user messages reach the LLM beside the STT's transcripts)
+    joins: ClassVar[frozenset[str]] = frozenset()
+    #: how the sessions' threads may use what ``load_shared()`` returns: "thread-safe",
+    #: "locked: <why>" (the backend serialises calls), or "per session: <why>" (nothing shared)
+    shared_safety: ClassVar[str] = "per session: nothing heavy to share"
+
     ctx: Context
+
+    def shared_key(self) -> Hashable | None:
+        """The parameters that decide ``load_shared()``'s result; None: nothing is shared."""
+        return None
+
+    def load_shared(self) -> Any:
+        """Load the heavy, stateless part (weights, an inference session); once per process per
+        ``shared_key()``. Must return an object that can be weakly referenced."""
+        raise NotImplementedError(f"{type(self).__name__} declares a shared_key() but no load_shared()")
+
+    def shared(self) -> Any:
+        """What ``load_shared()`` made for this node's ``shared_key()``: loaded by the first session
+        that asks (the others wait for it), the same object for all of them after."""
+        key = (type(self).__module__, type(self).__qualname__, self.shared_key())
+        with _SHARED_LOCK:
+            lock = _LOADING.setdefault(key, threading.Lock())
+        with lock:
+            value = _SHARED.get(key)
+            if value is None:
+                value = self.load_shared()
+                _SHARED[key] = value
+        with _SHARED_LOCK:
+            for keep in _KEEPERS:
+                if not any(held is value for held in keep):
+                    keep.append(value)
+        return value
 
     def port_rate(self, port: str) -> int | None:
         """Sample rate of an audio port, if fixed by the parameters (checked across edges)."""
@@ -141,6 +200,28 @@ class Node:
 
     def close(self) -> None:
         """Release resources. Called once, also after errors; may run while process() is blocked."""
+
+
+_TURN_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()
+_SHARED: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
+_LOADING: dict[Any, threading.Lock] = {}
+_KEEPERS: list[list[Any]] = []
+
+
+@contextlib.contextmanager
+def keep_shared() -> Iterator[list[Any]]:
+    """Keep every shared resource asked for inside the block alive, also between sessions (a
+    server keeps its models warm while it serves); yields the list that holds them."""
+    held: list[Any] = []
+    with _SHARED_LOCK:
+        _KEEPERS.append(held)
+    try:
+        yield held
+    finally:
+        with _SHARED_LOCK:
+            _KEEPERS[:] = [keep for keep in _KEEPERS if keep is not held]  # by identity: two may hold the same
+        held.clear()
 
 
 def require(module: str, extra: str, *, pip_name: str | None = None) -> Any:

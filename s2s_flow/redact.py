@@ -74,7 +74,11 @@ def secret_paths(cfg: Any) -> set[str]:
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
             if isinstance(node.get("_target_"), str):
-                found.update(path + name for name in _declared(node["_target_"]))
+                for name in _declared(node["_target_"]):
+                    found.add(path + name)
+                    source = _interpolated(node.get(name), path)
+                    if source:  # io.source.api_key: ${..api_key} -> io.api_key holds the secret too
+                        found.add(source)
             for key, value in node.items():
                 if path or key != "hydra":
                     walk(value, f"{path}{key}.")
@@ -85,6 +89,24 @@ def secret_paths(cfg: Any) -> set[str]:
     if isinstance(env, dict):
         found.update(f"server.env.{name}" for name in env if _SECRET_ENV.search(str(name)))
     return found
+
+
+_INTERPOLATION = re.compile(r"^\$\{(\.*)([A-Za-z_][\w.]*)\}$")
+
+
+def _interpolated(value: Any, path: str) -> str | None:
+    """The config path a plain ``${a.b}`` or relative ``${..b}`` interpolation at ``path`` reads."""
+    match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    dots, key = match.groups()
+    if not dots:
+        return key
+    parts = path.rstrip(".").split(".") if path else []
+    up = len(dots) - 1
+    if up > len(parts):
+        return None
+    return ".".join([*parts[: len(parts) - up], key])
 
 
 def _flagged(args: list[Any]) -> Iterator[tuple[int, str, str]]:

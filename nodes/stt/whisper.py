@@ -80,20 +80,33 @@ class WhisperSTT(UtteranceSTT):
         self.device = device
         self._whisper = None
 
-    def setup(self) -> None:
+    # One WhisperModel per process, shared by every session: transcribe() keeps no state
+    # between calls (condition_on_previous_text=False), and CTranslate2 runs calls from several
+    # threads (queued on its worker).
+    shared_safety = "thread-safe: CTranslate2 queues concurrent transcribe() calls"
+
+    def shared_key(self) -> tuple:
+        return (self.model, self.compute_type, self.cpu_threads, self.device)
+
+    def load_shared(self):
         fw = require("faster_whisper", "whisper")
-        quiet = logging.getLogger("faster_whisper")
-        if quiet.level == logging.NOTSET:  # it logs every utterance's duration at INFO
-            quiet.setLevel(logging.WARNING)
         path = self._model_path()
         threads = self.cpu_threads or min(4, os.cpu_count() or 1)
         self.ctx.progress(f"loading Whisper {self.model} ({self.compute_type}, {self.device})")
         with hf_offline():  # a local directory: nothing may reach for the hub (tokenizer included)
             self._whisper = fw.WhisperModel(path, device=self.device, compute_type=self.compute_type,
                                             cpu_threads=threads)
-        self._check_language(fw)
         self.ctx.progress("warming up Whisper")
         self.transcribe(np.zeros(WHISPER_RATE // 2, np.float32))
+        return self._whisper
+
+    def setup(self) -> None:
+        fw = require("faster_whisper", "whisper")
+        quiet = logging.getLogger("faster_whisper")
+        if quiet.level == logging.NOTSET:  # it logs every utterance's duration at INFO
+            quiet.setLevel(logging.WARNING)
+        self._whisper = self.shared()
+        self._check_language(fw)
 
     def _model_path(self) -> str:
         """A local directory for ``stt.model``: bundled, given, cached, or downloaded."""

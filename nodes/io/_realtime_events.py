@@ -1,0 +1,171 @@
+"""The OpenAI Realtime protocol's data (GA event names): the session's settings, the server
+events' shapes, ids and errors. No I/O here: nodes/io/realtime.py sends, _realtime_app.py serves.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ProtocolError", "SessionConfig", "new_id", "error_event", "decode_pcm16", "message_item",
+           "CLIENT_EVENTS"]
+
+CLIENT_EVENTS = frozenset({
+    "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+    "conversation.item.create", "conversation.item.truncate", "conversation.item.delete", "conversation.item.retrieve",
+    "response.create", "response.cancel", "output_audio_buffer.clear",
+})
+PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+
+_counter = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    """``event_…``, ``item_…``, ``resp_…``: unique in the process, unguessable across sessions."""
+    return f"{prefix}_{secrets.token_hex(6)}{next(_counter):06x}"
+
+
+class ProtocolError(Exception):
+    """A client event the server refuses: answered with an ``error`` event, the session goes on."""
+
+    def __init__(self, code: str, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.type = code, message, param, type
+
+
+def error_event(code: str, message: str, *, client_event_id: str | None = None, param: str | None = None,
+                type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"type": "error", "error": {"type": type, "code": code, "message": message, "param": param,
+                                       "event_id": client_event_id}}
+
+
+def decode_pcm16(audio: Any) -> bytes:
+    """``input_audio_buffer.append``'s ``audio``: base64 of 16-bit little-endian PCM, or ProtocolError."""
+    if not isinstance(audio, str) or not audio:
+        raise ProtocolError("invalid_audio", "input_audio_buffer.append needs 'audio': base64 of PCM16 samples",
+                            param="audio")
+    try:
+        raw = base64.b64decode(audio, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError("invalid_audio", "'audio' is not valid base64", param="audio") from None
+    if len(raw) % 2:
+        raise ProtocolError("invalid_audio", f"'audio' decodes to {len(raw)} bytes: 16-bit PCM has an even "
+                            "number of bytes", param="audio")
+    return raw
+
+
+def message_item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "object": "realtime.item", "type": "message", "status": status, "role": role,
+            "content": content}
+
+
+def _rate(fmt: Any, where: str) -> int:
+    if not isinstance(fmt, dict):
+        raise ProtocolError("invalid_value", f"{where} must be an object such as {{'type': 'audio/pcm', "
+                            "'rate': 24000}", param=where)
+    if fmt.get("type", "audio/pcm") != "audio/pcm":
+        raise ProtocolError("unsupported_format", f"{where}.type={fmt.get('type')!r}: this server speaks "
+                            "audio/pcm (16-bit mono) only", param=f"{where}.type")
+    rate = fmt.get("rate", 24000)
+    if rate not in PCM_RATES:
+        raise ProtocolError("invalid_value", f"{where}.rate={rate!r}: use one of {', '.join(map(str, PCM_RATES))}",
+                            param=f"{where}.rate")
+    return int(rate)
+
+
+@dataclass
+class SessionConfig:
+    """What ``session.update`` can change, as ``session.created`` / ``session.updated`` report it."""
+
+    model: str = "s2s-flow"
+    instructions: str | None = None
+    voice: str = "default"
+    input_rate: int = 24000
+    output_rate: int = 24000
+    output_modalities: list[str] = field(default_factory=lambda: ["audio"])
+    turn_detection: dict[str, Any] | None = field(default_factory=lambda: {
+        "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+        "create_response": True, "interrupt_response": True, "idle_timeout_ms": None})
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Any = "auto"
+
+    def update(self, session: Any) -> None:
+        """Apply a ``session.update``'s ``session`` object (all or nothing)."""
+        if not isinstance(session, dict):
+            raise ProtocolError("invalid_value", "session.update needs a 'session' object", param="session")
+        new = copy.deepcopy(self)
+        if "instructions" in session:
+            if session["instructions"] is not None and not isinstance(session["instructions"], str):
+                raise ProtocolError("invalid_value", "session.instructions must be a string",
+                                    param="session.instructions")
+            new.instructions = session["instructions"]
+        if "output_modalities" in session:
+            new.output_modalities = _modalities(session["output_modalities"], "session.output_modalities")
+        audio = session.get("audio") or {}
+        if not isinstance(audio, dict):
+            raise ProtocolError("invalid_value", "session.audio must be an object", param="session.audio")
+        inp, out = audio.get("input") or {}, audio.get("output") or {}
+        if "format" in inp:
+            new.input_rate = _rate(inp["format"], "session.audio.input.format")
+        if "format" in out:
+            new.output_rate = _rate(out["format"], "session.audio.output.format")
+        if "voice" in out:
+            new.voice = str(out["voice"])
+        if "turn_detection" in inp:
+            new.turn_detection = _turn_detection(inp["turn_detection"], self.turn_detection)
+        if "tools" in session:
+            if not isinstance(session["tools"], list):
+                raise ProtocolError("invalid_value", "session.tools must be a list", param="session.tools")
+            new.tools = session["tools"]
+        if "tool_choice" in session:
+            new.tool_choice = session["tool_choice"]
+        self.__dict__.update(new.__dict__)
+
+    def to_event(self, session_id: str) -> dict[str, Any]:
+        pcm = {"type": "audio/pcm"}
+        return {
+            "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
+            "output_modalities": self.output_modalities, "instructions": self.instructions,
+            "audio": {
+                "input": {"format": {**pcm, "rate": self.input_rate}, "transcription": {"model": "stt"},
+                          "noise_reduction": None, "turn_detection": self.turn_detection},
+                "output": {"format": {**pcm, "rate": self.output_rate}, "voice": self.voice, "speed": 1.0},
+            },
+            "tools": self.tools, "tool_choice": self.tool_choice, "max_output_tokens": "inf",
+            "tracing": None, "truncation": "auto", "prompt": None, "include": None,
+        }
+
+
+def _modalities(value: Any, where: str) -> list[str]:
+    if value not in (["audio"], ["text"]):
+        raise ProtocolError("invalid_value", f"{where}={value!r}: use ['audio'] (speech and its transcript) "
+                            "or ['text']", param=where)
+    return list(value)
+
+
+def _turn_detection(value: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        raise ProtocolError("unsupported_value", "turn_detection=null (manual turns) is not supported by this "
+                            "server yet: the VAD ends the user's turns (server_vad)",
+                            param="session.audio.input.turn_detection")
+    if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
+        raise ProtocolError("unsupported_value", "turn_detection: only {'type': 'server_vad', ...} is supported",
+                            param="session.audio.input.turn_detection")
+    merged = {**(current or {}), **value, "type": "server_vad"}
+    if merged.get("create_response") is False:
+        raise ProtocolError("unsupported_value", "turn_detection.create_response=false is not supported: every "
+                            "user turn is answered", param="session.audio.input.turn_detection.create_response")
+    return merged
+
+
+def response_modalities(response: Any, config: SessionConfig) -> list[str]:
+    """``response.create``'s output modalities (per response), else the session's."""
+    if isinstance(response, dict) and "output_modalities" in response:
+        return _modalities(response["output_modalities"], "response.output_modalities")
+    return list(config.output_modalities)

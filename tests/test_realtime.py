@@ -1,0 +1,483 @@
+"""io=realtime: the OpenAI Realtime server, with real clients against the real offline stack
+(Silero, Whisper tiny.en, SmolLM2 on llama-server, Piper).
+
+The official ``openai`` SDK's realtime client talks to it as it would to OpenAI; a raw
+WebSocket client sends what the SDK never would (bad JSON, oversized frames, wrong keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import gc
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from s2s_flow.cli import describe, plan
+from s2s_flow.compose import compose
+from s2s_flow.errors import ConfigError
+from tests.support.servers import running_llama_server
+from tests.support.speech import synthesize
+
+pytest.importorskip("starlette", reason="pip install 's2s-flow[serve]'")
+pytest.importorskip("uvicorn", reason="pip install 's2s-flow[serve]'")
+websockets = pytest.importorskip("websockets", reason="pip install 's2s-flow[serve]'")
+pytest.importorskip("openai", reason="pip install 's2s-flow[bench]'")
+for _module in ("faster_whisper", "piper", "onnxruntime"):
+    pytest.importorskip(_module, reason="the offline stack: pip install 's2s-flow[offline]'")
+
+from nodes.io._realtime_app import RealtimeServer  # noqa: E402
+
+RATE = 24000  # the protocol's default PCM rate
+STORY = "Tell me a long story about a dragon who learns to cook."
+
+
+def _compose(base_url: str | None, *extra: str):
+    args = ["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=32", *extra]
+    if base_url:
+        args.append(f"llm.base_url={base_url}")
+    return compose(args)
+
+
+def _server(base_url: str, tmp_path, *extra: str) -> RealtimeServer:
+    cfg, choices = _compose(base_url, *extra)
+    graph = plan(cfg, choices)
+    return RealtimeServer(lambda: plan(cfg, choices), graph.nodes["source"].node, tmp_path)
+
+
+@contextlib.contextmanager
+def serving(base_url: str, tmp_path, *extra: str) -> Iterator[tuple[str, RealtimeServer]]:
+    """A server of its own for one test: (ws://host:port/v1, the server)."""
+    server = _server(base_url, tmp_path, *extra)
+    url = server.start()
+    try:
+        yield url, server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama(smollm2_gguf, llama_server_binary) -> Iterator[str]:
+    with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def served(llama, tmp_path_factory) -> Iterator[tuple[str, RealtimeServer]]:
+    server = _server(llama, tmp_path_factory.mktemp("realtime"), "io.max_sessions=6")
+    url = server.start()
+    yield url, server
+    server.stop()
+
+
+def spoken(text: str, *, lead_s: float = 0.2, tail_s: float = 1.0) -> bytes:
+    """PCM16 at 24 kHz: ``text`` spoken, then enough silence for the VAD to end the turn."""
+    pcm = np.concatenate([np.zeros(int(lead_s * RATE), np.float32), synthesize(text, rate=RATE),
+                          np.zeros(int(tail_s * RATE), np.float32)])
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def appends(pcm: bytes, piece: int = 9600) -> Iterator[str]:
+    for i in range(0, len(pcm), piece):
+        yield base64.b64encode(pcm[i : i + piece]).decode("ascii")
+
+
+def sdk(url: str):
+    """The official openai SDK's realtime connection to the server at ``url`` (ws://host:port/v1)."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(api_key="unused", websocket_base_url=url).realtime.connect(model="s2s-flow")
+
+
+def until(condition, timeout: float = 20.0, what: str = "condition") -> None:
+    """Wait for a condition of another thread (no fixed sleeps): checks it as it changes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
+        time.sleep(0.02)
+
+
+# -- compose time ---------------------------------------------------------------------------
+
+
+def test_dry_run_prints_the_graph_and_the_endpoint(tmp_path):
+    cfg, choices = _compose(None, "io.port=9123")
+    text = describe(plan(cfg, choices))
+    assert "serves: ws://127.0.0.1:9123/v1/realtime" in text
+    assert "source.text -> llm.text" in text and "stt.text -> llm.text" in text, "typed messages join the STT's"
+
+
+def test_binding_beyond_loopback_without_a_key_is_a_compose_time_error(monkeypatch):
+    monkeypatch.delenv("S2S_REALTIME_API_KEY", raising=False)
+    cfg, choices = _compose(None, "io.host=0.0.0.0")
+    with pytest.raises(ConfigError, match="io.api_key"):
+        plan(cfg, choices)
+    cfg, choices = _compose(None, "io.host=0.0.0.0", "io.allow_public=true")
+    plan(cfg, choices)
+    monkeypatch.setenv("S2S_REALTIME_API_KEY", "k")
+    cfg, choices = _compose(None, "io.host=0.0.0.0")
+    plan(cfg, choices)
+
+
+# -- the openai SDK -------------------------------------------------------------------------
+
+
+async def _collect(conn, *, until_type: str = "response.done", audio: list[bytes] | None = None) -> list[Any]:
+    events = []
+    async for event in conn:
+        if event.type == "response.output_audio.delta" and audio is not None:
+            audio.append(base64.b64decode(event.delta))
+        events.append(event)
+        if event.type == until_type:
+            return events
+    raise AssertionError("the connection closed early")
+
+
+def test_openai_sdk_spoken_question_gets_transcript_and_reply_audio(served):
+    url, _ = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            created = await conn.recv()
+            assert created.type == "session.created" and created.session.audio.output.format.rate == RATE
+            for chunk in appends(spoken("How many kilometers are there in a marathon?")):
+                await conn.input_audio_buffer.append(audio=chunk)
+            audio: list[bytes] = []
+            return await _collect(conn, audio=audio), b"".join(audio)
+
+    events, audio = asyncio.run(talk())
+    types = [e.type for e in events]
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed", "conversation.item.input_audio_transcription.completed",
+                 "response.created", "response.output_item.added", "response.content_part.added",
+                 "response.output_audio.delta", "response.output_audio_transcript.delta",
+                 "response.output_audio.done", "response.output_audio_transcript.done", "response.done"):
+        assert kind in types, (kind, types)
+    assert types.index("input_audio_buffer.speech_started") < types.index("response.created")
+    heard = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
+    assert "marathon" in heard.transcript.lower()
+    done = events[-1]
+    assert done.response.status == "completed"
+    said = done.response.output[0].content[0].transcript
+    assert len(said.split()) >= 2
+    pcm = np.frombuffer(audio, "<i2")
+    assert len(pcm) / RATE > 0.5 and np.abs(pcm).max() > 300, "reply audio, 24 kHz PCM16"
+
+
+def test_openai_sdk_text_item_and_response_create(served):
+    url, _ = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            await conn.session.update(session={"type": "realtime", "instructions": "You are terse."})
+            item = {"type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": "What is the capital of France?"}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            text_events = await _collect(conn)
+            await conn.conversation.item.create(item={**item, "content": [{"type": "input_text",
+                                                                          "text": "Say hello."}]})
+            await conn.response.create()
+            audio: list[bytes] = []
+            audio_events = await _collect(conn, audio=audio)
+            return text_events, audio_events, b"".join(audio)
+
+    text_events, audio_events, audio = asyncio.run(talk())
+    assert any(e.type == "session.updated" and e.session.instructions == "You are terse." for e in text_events)
+    assert "response.output_text.delta" in [e.type for e in text_events]
+    assert "response.output_audio.delta" not in [e.type for e in text_events], "text only, as asked"
+    done = text_events[-1]
+    assert done.response.status == "completed" and done.response.output[0].content[0].text.strip()
+    assert audio_events[-1].response.status == "completed" and len(audio) > RATE  # > 0.5 s of PCM16
+
+
+def test_barge_in_cancels_the_reply_and_truncate_cuts_it(llama, tmp_path):
+    # A long reply (up to 200 tokens: seconds of generation and synthesis), cut as soon as it starts:
+    # the user's new speech is confirmed by the VAD within a few hundred milliseconds.
+    async def talk(url):
+        async with sdk(url) as conn:
+            for chunk in appends(spoken(STORY)):
+                await conn.input_audio_buffer.append(audio=chunk)
+            first = await _collect(conn, until_type="response.created")
+            for chunk in appends(spoken("Stop, what is the capital of France?")):
+                await conn.input_audio_buffer.append(audio=chunk)
+            events = first + await _collect(conn)  # the cut reply's response.done
+            cut = events[-1]
+            if cut.response.output:
+                sent = sum(len(base64.b64decode(e.delta)) for e in events if e.type == "response.output_audio.delta")
+                await conn.conversation.item.truncate(item_id=cut.response.output[0].id, content_index=0,
+                                                      audio_end_ms=min(100, sent * 1000 // (2 * RATE)))
+                events += await _collect(conn, until_type="conversation.item.truncated")
+            rest = await _collect(conn)  # the answer to the second question
+            return events, rest
+
+    with serving(llama, tmp_path, "llm.max_tokens=200") as (url, _):
+        events, rest = asyncio.run(talk(url))
+    cut = next(e for e in events if e.type == "response.done")
+    assert cut.response.status == "cancelled" and cut.response.status_details.reason == "turn_detected"
+    after = events[events.index(cut) + 1:] + rest
+    assert not [e for e in after if e.type == "response.output_audio.delta" and e.response_id == cut.response.id]
+    assert [e.type for e in events].count("input_audio_buffer.speech_started") == 2
+    assert rest[-1].response.status == "completed"
+    transcripts = [e.transcript for e in events + rest
+                   if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert "france" in transcripts[-1].lower()
+
+
+def test_response_cancel_ends_the_response_as_cancelled_by_the_client(served):
+    url, _ = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Tell me about the history of Rome."}]})
+            await conn.response.create()
+            await conn.response.cancel()  # reaches the session right behind its response.create
+            events = await _collect(conn)
+            await conn.response.cancel(event_id="evt_late")
+            late = await _collect(conn, until_type="error")
+            return events, late[-1]
+
+    events, late = asyncio.run(talk())
+    done = events[-1]
+    assert done.response.status == "cancelled" and done.response.status_details.reason == "client_cancelled"
+    assert "response.output_audio.delta" not in [e.type for e in events[events.index(done):]]
+    assert late.error.code == "response_cancel_not_active" and late.error.event_id == "evt_late"
+
+
+# -- a raw WebSocket client: what the SDK never sends --------------------------------------
+
+
+def _raw(url: str, **kwargs: Any):
+    from websockets.sync.client import connect
+
+    return connect(f"{url}/realtime", open_timeout=10, **kwargs)
+
+
+def _next(ws, kind: str | None = None) -> dict[str, Any]:
+    while True:
+        event = json.loads(ws.recv(timeout=60))
+        if kind is None or event["type"] == kind:
+            return event
+
+
+def test_bad_events_get_an_error_and_the_session_goes_on(served):
+    url, _ = served
+    with _raw(url) as ws:
+        assert _next(ws)["type"] == "session.created"
+        ws.send("{not json")
+        assert _next(ws, "error")["error"]["code"] == "invalid_json"
+        ws.send(json.dumps({"type": "no.such.event", "event_id": "evt_7"}))
+        error = _next(ws, "error")["error"]
+        assert error["code"] == "unknown_event" and error["event_id"] == "evt_7"
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "x" * ((1 << 20) + 1)}))
+        assert _next(ws, "error")["error"]["code"] == "frame_too_large"
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "not base64!", "event_id": "e2"}))
+        error = _next(ws, "error")["error"]
+        assert error["code"] == "invalid_audio" and error["event_id"] == "e2"
+        ws.send(json.dumps({"type": "session.update", "session": {"audio": {"output": {"format": {
+            "type": "audio/pcm", "rate": 16000}}}}}))
+        assert _next(ws)["session"]["audio"]["output"]["format"]["rate"] == 16000, "still served"
+
+
+def test_a_client_that_leaves_mid_reply_frees_its_threads_and_connections(served, llama):
+    import psutil
+
+    url, server = served
+    port = int(llama.rsplit(":", 1)[1].split("/")[0])
+    me = psutil.Process()
+
+    def to_llama() -> int:
+        return sum(1 for c in me.net_connections("tcp") if c.raddr and c.raddr.port == port
+                   and c.status == psutil.CONN_ESTABLISHED)
+
+    until(lambda: server.open == 0, what="earlier sessions to end")
+    before = {t.ident for t in threading.enumerate()}
+    baseline_threads, baseline_conns = threading.active_count(), to_llama()
+    with _raw(url) as ws:
+        _next(ws, "session.created")
+        for chunk in appends(spoken(STORY)):
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        _next(ws, "response.output_audio.delta")
+        assert threading.active_count() > baseline_threads
+    # gone mid-reply: the session's threads end and its stream to llama-server is closed
+    def new_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.ident not in before]
+
+    until(lambda: not new_threads(), what=lambda: f"the session's threads to end: {new_threads()}")
+    until(lambda: to_llama() <= baseline_conns, what="the connection to llama-server to close")
+
+
+def test_the_session_limit_answers_with_an_error_and_1008(llama, tmp_path):
+    with serving(llama, tmp_path, "io.max_sessions=1") as (url, _), _raw(url) as first:
+        _next(first, "session.created")
+        with _raw(url) as second:
+            error = _next(second)
+            assert error["type"] == "error" and error["error"]["code"] == "session_limit_reached"
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                second.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008
+
+
+def test_an_idle_session_is_told_and_closed(llama, tmp_path):
+    with serving(llama, tmp_path, "io.idle_timeout_s=0.5") as (url, server):
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            assert _next(ws, "error")["error"]["code"] == "idle_timeout"
+            with pytest.raises(websockets.exceptions.ConnectionClosed):
+                ws.recv(timeout=30)
+        until(lambda: server.open == 0, what="the idle session to end")
+
+
+def test_an_api_key_is_required_as_bearer_or_subprotocol(llama, tmp_path, monkeypatch):
+    monkeypatch.delenv("S2S_REALTIME_API_KEY", raising=False)
+    with serving(llama, tmp_path, "io.api_key=sesame") as (url, _):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                _raw(url, additional_headers=headers)
+            assert refused.value.response.status_code == 401
+            assert b"sesame" not in refused.value.response.body
+        with _raw(url, additional_headers={"Authorization": "Bearer sesame"}) as ws:
+            assert _next(ws)["type"] == "session.created"
+        with _raw(url, subprotocols=["realtime", "openai-insecure-api-key.sesame"]) as ws:
+            assert ws.subprotocol == "realtime" and _next(ws)["type"] == "session.created"
+
+
+# -- many sessions --------------------------------------------------------------------------
+
+
+QUESTIONS = {  # each with a word Whisper tiny.en never misses
+    "weather": "What is the weather going to be like in Paris tomorrow?",
+    "sister": "Can you remind me to call my sister at seven tonight?",
+    "marathon": "How many kilometers are there in a marathon?",
+    "music": "Please play some relaxing music in the living room.",
+}
+
+
+def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_model(served):
+    from faster_whisper import WhisperModel
+    from piper import PiperVoice
+
+    url, server = served
+
+    async def one(text: str):
+        async with sdk(url) as conn:
+            for chunk in appends(spoken(text)):
+                await conn.input_audio_buffer.append(audio=chunk)
+            audio: list[bytes] = []
+            return await _collect(conn, audio=audio), b"".join(audio)
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(text) for text in QUESTIONS.values()))
+
+    results = asyncio.run(all_at_once())
+    for word, (events, audio) in zip(QUESTIONS, results, strict=True):
+        heard = [e.transcript.lower() for e in events
+                 if e.type == "conversation.item.input_audio_transcription.completed"]
+        assert len(heard) == 1 and word in heard[0], (word, heard)
+        assert not [w for w in QUESTIONS if w != word and w in heard[0]], "no cross-talk"
+        assert events[-1].response.status == "completed" and len(audio) > RATE
+    gc.collect()
+    assert sum(isinstance(o, WhisperModel) for o in gc.get_objects()) == 1
+    assert sum(isinstance(o, PiperVoice) for o in gc.get_objects()) == 1
+    metrics = urllib.request.urlopen(url.replace("ws://", "http://").removesuffix("/v1") + "/metrics").read()
+    assert b"s2s_sessions_open" in metrics and b"s2s_voice_to_voice_seconds_count" in metrics
+
+
+# -- client tools ---------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                         "description": "The city's name."}},
+                               "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def tool_llama(smollm2_gguf, llama_server_binary) -> Iterator[str]:
+    """SmolLM2 with Qwen2.5's tool-capable template (tests/test_llm_tools_llama_server.py says why)."""
+    from tests.support import tools
+
+    args = ("--jinja", "--chat-template-file", str(tools.TOOL_TEMPLATE_PATH))
+    with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=args) as base_url:
+        yield base_url
+
+
+def test_a_client_tool_round_trip(tool_llama, tmp_path):
+    cfg, choices = _compose(tool_llama, "llm.temperature=0", "llm.seed=1", "llm.max_tokens=60",
+                            "llm.system_prompt=You are a helpful voice assistant. Answer briefly in plain spoken "
+                            "sentences.")
+
+    def make_graph():
+        graph = plan(cfg, choices)
+        graph.nodes["llm"].node.tool_call_prefill = "<tool_call>\n"  # the model can only write the call
+        return graph
+
+    server = RealtimeServer(make_graph, plan(cfg, choices).nodes["source"].node, tmp_path)
+    url = server.start()
+
+    async def talk():
+        async with sdk(url) as conn:
+            await conn.session.update(session={"type": "realtime", "tools": [WEATHER_TOOL], "tool_choice": "required"})
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "What is the weather in Paris?"}]})
+            await conn.response.create(response={"output_modalities": ["text"]})
+            rounds = []
+            for _ in range(4):  # llm.max_tool_rounds=3: the model answers in words by the 4th response
+                done = (await _collect(conn))[-1]
+                calls = [item for item in done.response.output if item.type == "function_call"]
+                if not calls:
+                    return rounds, done
+                rounds.append(done)
+                for call in calls:  # every call of the round, then one response.create
+                    await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                              "output": "sunny, 24 degrees"})
+                await conn.response.create(response={"output_modalities": ["text"]})
+            raise AssertionError("the model never answered in words")
+
+    try:
+        rounds, final = asyncio.run(talk())
+    finally:
+        server.stop()
+    assert rounds, "the model called the client's tool"
+    first = [item for item in rounds[0].response.output if item.type == "function_call"]
+    assert {item.name for item in first} == {"get_weather"}
+    assert all("paris" in json.loads(item.arguments)["city"].lower() for item in first)
+    assert all(r.response.status == "completed" for r in rounds) and final.response.status == "completed"
+    assert final.response.id not in {r.response.id for r in rounds}
+    assert "24" in final.response.output[0].content[0].text  # only the client's output says 24 degrees
+
+
+def test_the_servers_key_is_a_secret_in_every_config_the_run_writes():
+    from s2s_flow import redact
+
+    cfg, _ = _compose(None, "io.api_key=open-sesame-42")
+    shown = json.dumps(redact.masked(cfg))
+    assert "open-sesame-42" not in shown and redact.masked(cfg)["io"]["api_key"] == "***"
+    hidden = redact.hide_overrides(["io=realtime", "io.api_key=open-sesame-42"], cfg)
+    assert hidden[1].startswith("io.api_key=${oc.env:")
+
+
+def test_live_transcription_deltas_arrive_while_the_user_speaks(llama, tmp_path):
+    async def talk(url):
+        async with sdk(url) as conn:
+            pcm = spoken("Please explain how many kilometers there are in a marathon race.")
+            start, step = time.monotonic(), 2 * RATE // 50  # 20 ms appends at a microphone's pace
+            for i, chunk in enumerate(appends(pcm, step)):
+                await asyncio.sleep(max(0.0, start + i * 0.02 - time.monotonic()))
+                await conn.input_audio_buffer.append(audio=chunk)
+            return await _collect(conn, until_type="conversation.item.input_audio_transcription.completed")
+
+    with serving(llama, tmp_path, "io.partials.interval_ms=300") as (url, _):
+        events = asyncio.run(talk(url))
+    types = [e.type for e in events]
+    deltas = [i for i, t in enumerate(types) if t == "conversation.item.input_audio_transcription.delta"]
+    assert deltas and deltas[0] < types.index("input_audio_buffer.speech_stopped"), types
+    assert "kilometers" in events[-1].transcript.lower()

@@ -1,0 +1,133 @@
+"""Sessions and shared resources in the node contract (DESIGN.md 10): what is per session
+lives on the node, what is heavy is loaded once per process per ``shared_key()``."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+from s2s_flow.cli import plan
+from s2s_flow.compose import compose
+from s2s_flow.node import Context, Node, keep_shared
+
+
+class Weights:
+    """Stands for a model: any object that can be weakly referenced."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Model(Node):
+    outputs = {}
+    loads = 0
+    gate: threading.Barrier | None = None
+
+    def __init__(self, *, name: str = "tiny") -> None:
+        self.name = name
+
+    def shared_key(self):
+        return (self.name,)
+
+    def load_shared(self):
+        type(self).loads += 1
+        return Weights(self.name)
+
+    def setup(self) -> None:
+        if self.gate is not None:
+            self.gate.wait()  # every session asks at the same moment
+        self.weights = self.shared()
+
+
+def _fresh(cls: type[Model]) -> None:
+    cls.loads, cls.gate = 0, None
+    gc.collect()
+
+
+def test_sessions_asking_at_once_share_one_load_per_key():
+    _fresh(Model)
+    nodes = [Model() for _ in range(4)] + [Model(name="other")]
+    Model.gate = threading.Barrier(len(nodes))
+    threads = [threading.Thread(target=n.setup) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Model.loads == 2, "one load per shared_key(), however many sessions ask at once"
+    assert len({id(n.weights) for n in nodes[:4]}) == 1 and nodes[4].weights is not nodes[0].weights
+
+
+def test_shared_resources_are_freed_with_their_last_session_unless_kept():
+    _fresh(Model)
+    first = Model()
+    first.setup()
+    second = Model()
+    second.setup()
+    assert Model.loads == 1
+    del first, second
+    gc.collect()
+    Model().setup()
+    assert Model.loads == 2, "nobody held it: loaded again (a sweep's next job frees its models)"
+    with keep_shared():
+        node = Model()
+        node.setup()
+        del node
+        gc.collect()
+        Model().setup()
+        assert Model.loads == 3, "a server keeps what it loaded warm between sessions"
+
+
+def test_new_turns_rise_across_the_nodes_of_a_run(tmp_path):
+    shared: dict = {}
+    a, b = Context("vad", tmp_path, shared=shared), Context("source", tmp_path, shared=shared)
+    turns = [a.new_turn(), b.new_turn(), a.new_turn()]
+    assert turns == [1, 2, 3]
+    assert Context("vad", tmp_path).new_turn() == 1, "another session counts on its own"
+
+
+def test_typed_messages_join_the_transcripts_on_their_way_to_the_llm():
+    cfg, choices = compose(["io=realtime"])
+    edges = {e.key for e in plan(cfg, choices).edges}
+    assert {"stt.text -> llm.text", "source.text -> llm.text", "stt.text -> sink.user"} <= edges
+    cfg, choices = compose(["io=realtime", "stt=none", "llm=chat"])
+    edges = [e.key for e in plan(cfg, choices).edges]
+    assert edges.count("source.text -> llm.text") == 1 and "vad.speech -> llm.audio" in edges
+
+
+def test_built_in_backends_say_how_their_sessions_use_what_they_share():
+    from nodes.llm.chat import ChatCompletionsLLM
+    from nodes.stt.whisper import WhisperSTT
+    from nodes.tts.espeak import EspeakTTS
+    from nodes.tts.piper import PiperTTS
+    from nodes.vad.silero import SileroVAD
+
+    for cls in (SileroVAD, WhisperSTT, PiperTTS):
+        assert cls.shared_safety.startswith("thread-safe"), cls
+    assert EspeakTTS.shared_safety.startswith("locked")
+    assert ChatCompletionsLLM.shared_safety.startswith("per session")
+    assert SileroVAD().shared_key() == SileroVAD(threshold=0.7).shared_key(), "one ONNX session for all settings"
+
+
+def test_two_servers_keep_the_same_models_and_each_lets_go_of_its_own():
+    _fresh(Model)
+    outer = keep_shared()
+    outer.__enter__()
+    with keep_shared():
+        Model().setup()
+    outer.__exit__(None, None, None)  # both held the same weights: each leaves with its own list
+    gc.collect()
+    Model().setup()
+    assert Model.loads == 2
+
+
+def test_a_server_keeps_what_was_loaded_before_it_started_too():
+    _fresh(Model)
+    early = Model()
+    early.setup()  # another server (or a run) loaded it first
+    with keep_shared() as held:
+        Model().setup()
+        assert any(w is early.weights for w in held)
+        del early
+        gc.collect()
+        Model().setup()
+        assert Model.loads == 1
