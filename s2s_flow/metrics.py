@@ -95,6 +95,11 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
     turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), "")) for t in turn_ids]
     for row in turns:
         _tool_time(row, [e for e in tool_calls if e.get("turn") == row["turn"]])
+    # what ended each turn, where a turn detector says (vad.turn=smart_turn: the model, or the fallback)
+    turn_ends = {e.get("turn"): e for e in data.get("events", []) if e.get("kind") == "turn_end"}
+    for row in turns:
+        if row["turn"] in turn_ends:
+            row["turn_end"] = turn_ends[row["turn"]].get("by")
     warmup = turns[0] if turns else None
     if warmup is not None:
         warmup["warmup"] = True

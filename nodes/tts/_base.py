@@ -5,10 +5,13 @@ A backend subclasses :class:`SentenceTTS` and implements ``setup()`` (load the e
 :class:`TextDelta` pieces into sentences, speaks each one as soon as it is complete,
 resamples to the node's output rate, cuts the audio into short chunks so a barge-in
 stops playback quickly, and closes each reply with an empty ``AudioOut(end=True)``.
+With ``first_clause_words`` the first clause of a reply ("The capital is Canberra,") goes
+ahead of the rest of its sentence, so the first audio does not wait for a full stop.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -19,9 +22,19 @@ from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node
 
-__all__ = ["SentenceTTS", "speakable"]
+__all__ = ["SentenceTTS", "first_clause", "speakable"]
 
 _EMPTY = np.zeros(0, dtype=np.float32)
+# A clause ends at a comma, semicolon, colon or dash followed by a space ("3,000" is not one).
+_CLAUSE_END = re.compile(r"[,;:\u2013\u2014](?=\s)|\s-(?=\s)")
+
+
+def first_clause(text: str, min_words: int) -> int:
+    """Length of the leading clause of ``text`` that has at least ``min_words`` words, or 0."""
+    for match in _CLAUSE_END.finditer(text):
+        if len(text[: match.start()].split()) >= min_words:
+            return match.end()
+    return 0
 
 
 def speakable(text: str) -> bool:
@@ -38,14 +51,27 @@ class SentenceTTS(Node):
     #: longest AudioOut chunk in seconds: downstream can cut playback at this granularity
     max_chunk_s: ClassVar[float] = 0.5
 
-    def __init__(self, *, sample_rate: int | None = None) -> None:
+    def __init__(self, *, sample_rate: int | None = None, first_clause_words: int = 0, threads: int = 0) -> None:
         if sample_rate is not None and not 8000 <= sample_rate <= 192_000:
             raise ConfigError(
                 f"tts.sample_rate={sample_rate} is not a usable audio rate: give a rate in Hz "
                 "between 8000 and 192000 (e.g. tts.sample_rate=16000 or 24000), or null to "
                 "keep the voice's native rate."
             )
+        if first_clause_words < 0:
+            raise ConfigError(
+                f"tts.first_clause_words={first_clause_words} must be >= 0: the fewest words of a "
+                "reply's first clause spoken ahead of its sentence (0: whole sentences only; e.g. 4)."
+            )
+        if threads < 0:
+            raise ConfigError(f"tts.threads={threads} must be >= 0: CPU threads of the synthesizer's own "
+                              "pool (0: its default, one per core).")
         self.sample_rate = sample_rate
+        self.first_clause_words = first_clause_words
+        #: CPU threads of the synthesizer's own pool (piper's onnxruntime), 0 = its default; a CPU
+        #: budget keeps TTS off the cores the LLM generates on. Engines without a pool ignore it.
+        self.threads = threads
+        self._clause_open = False  # the reply has spoken nothing yet: its first clause may go ahead
         self._rate_out = sample_rate
         self._pending = ""
         self._pending_turn: int | None = None  # turn of a reply that started and has not ended
@@ -85,14 +111,20 @@ class SentenceTTS(Node):
     def process(self, port: str, msg: TextDelta) -> Iterator[AudioOut]:
         if msg.turn < self._cut_turn:
             return
-        if self._pending_turn is not None and self._pending_turn != msg.turn:
+        if self._pending_turn != msg.turn:  # a new reply
             self._pending = ""  # the rest of an interrupted reply: never speak it
+            self._clause_open = self.first_clause_words > 0
         self._pending_turn = msg.turn
         self._pending += msg.text
         if msg.sentence_end or msg.end:
             sentence, self._pending = self._pending.strip(), ""
             if speakable(sentence):
+                self._clause_open = False
                 yield from self._speak(sentence, msg.turn)
+        elif self._clause_open and (cut := first_clause(self._pending, self.first_clause_words)):
+            clause, self._pending = self._pending[:cut].strip(), self._pending[cut:]
+            self._clause_open = False
+            yield from self._speak(clause, msg.turn)
         if msg.end:
             self._pending_turn = None
             yield AudioOut(turn=msg.turn, pcm=_EMPTY, rate=self._out_rate(), end=True)

@@ -30,8 +30,10 @@ class PiperTTS(SentenceTTS):
         noise_w_scale: float | None = None,
         volume: float = 1.0,
         sample_rate: int | None = None,
+        first_clause_words: int = 0,
+        threads: int = 0,
     ) -> None:
-        super().__init__(sample_rate=sample_rate)
+        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words, threads=threads)
         if voice is not None:
             onnx = Path(voice).expanduser()
             if onnx.suffix != ".onnx" or not onnx.is_file():
@@ -61,11 +63,31 @@ class PiperTTS(SentenceTTS):
     def native_rate(self) -> int:
         return int(self._voice.config.sample_rate)
 
-    def setup(self) -> None:
+    # The voice (an ONNX session and its config) is shared by every session of the process;
+    # synthesis settings are per node and passed on every call.
+    shared_safety = "thread-safe: PiperVoice.synthesize keeps no state; onnxruntime runs concurrent calls"
+
+    def shared_key(self) -> tuple:
+        return (self.voice, self.threads)
+
+    def load_shared(self):
         piper = require("piper", "piper")
         model, config = self._voice_files()
         self.ctx.progress(f"loading piper voice {model.name}")
-        self._voice = piper.PiperVoice.load(model, config_path=config)
+        voice = piper.PiperVoice.load(model, config_path=config)
+        if self.threads:  # a CPU budget: these threads only, and none spinning while idle
+            ort = require("onnxruntime", "piper")
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = self.threads
+            opts.inter_op_num_threads = 1
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            voice.session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
+        return voice
+
+    def setup(self) -> None:
+        piper = require("piper", "piper")
+        model, _ = self._voice_files()
+        self._voice = self.shared()
         speakers = self._voice.config.num_speakers
         if self.speaker is not None and self.speaker >= speakers:
             raise ConfigError(f"tts.speaker={self.speaker}: voice {model.name} has {speakers} speaker(s), "

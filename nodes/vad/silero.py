@@ -24,6 +24,7 @@ __all__ = ["SileroVAD", "silero_model_path"]
 _MAX_ZERO_FILL_S = 1.0  # a gap in the input longer than this restarts the timeline
 
 _IDLE, _CANDIDATE, _SPEECH = "idle", "candidate", "speech"
+_TURN_DETECTORS = ("silence", "smart_turn")
 
 
 # silero-vad asks for torch, which vad=silero never imports: its wheel goes in without it.
@@ -44,9 +45,12 @@ class SileroVAD(Node):
     """Emits ``SpeechStarted`` once speech is confirmed and ``Speech`` when the user stops.
 
     The stream is cut into 32 ms windows; a window is speech at ``threshold`` and silence
-    below ``threshold - 0.15`` (Silero's hysteresis). An utterance ends after
-    ``min_silence_ms`` of silence; its ``speech_end_t`` is moved back to when the silence
-    began, so latency is measured from the user's real end of speech.
+    below ``threshold - 0.15`` (Silero's hysteresis). With ``turn="silence"`` an utterance
+    ends after ``min_silence_ms`` of silence. With ``turn="smart_turn"`` the Smart Turn model
+    is asked once per pause, after ``min_silence_ms`` (short: 200 ms), whether the user
+    sounds finished (probability >= ``turn_threshold``); if not, the turn ends only when the
+    user has been silent for ``max_silence_ms``. Either way ``speech_end_t`` is moved back
+    to when the silence began, so latency is measured from the user's real end of speech.
     """
 
     inputs = {"audio": AudioChunk}
@@ -61,6 +65,10 @@ class SileroVAD(Node):
         speech_pad_ms: int = 30,
         max_speech_s: float = 30.0,
         sample_rate: int = 16000,
+        turn: str = "silence",
+        max_silence_ms: int = 3000,
+        turn_threshold: float = 0.5,
+        turn_threads: int = 1,
     ) -> None:
         if sample_rate not in (8000, 16000):
             raise ConfigError(
@@ -81,7 +89,36 @@ class SileroVAD(Node):
                 f"vad.max_speech_s={max_speech_s} is too short: utterances longer than it are cut; "
                 "use a few seconds at least (default 30)."
             )
+        if turn not in _TURN_DETECTORS:
+            raise ConfigError(
+                f"vad.turn={turn!r} is not a turn detector: choose vad.turn=silence (the turn ends after "
+                "vad.min_silence_ms of silence) or vad.turn=smart_turn (the Smart Turn model decides "
+                "after vad.min_silence_ms; vad.max_silence_ms ends the turn anyway)."
+            )
+        if turn == "smart_turn":
+            if max_silence_ms <= min_silence_ms:
+                raise ConfigError(
+                    f"vad.max_silence_ms={max_silence_ms} must be longer than vad.min_silence_ms="
+                    f"{min_silence_ms}: with vad.turn=smart_turn the model is asked after the short "
+                    "silence and the long one ends the turn anyway (e.g. 200 and 1000)."
+                )
+            if sample_rate != 16000:
+                raise ConfigError(
+                    "vad.turn=smart_turn needs vad.sample_rate=16000 (the model reads 16 kHz audio); "
+                    "set vad.sample_rate=16000 and io.rate=16000, or vad.turn=silence."
+                )
+            if not 0.0 < turn_threshold < 1.0:
+                raise ConfigError(
+                    f"vad.turn_threshold={turn_threshold} is out of range: it is the probability that "
+                    "the user has finished above which the turn ends; use 0.05-0.95 (default 0.5)."
+                )
+        if turn_threads < 1:
+            raise ConfigError(f"vad.turn_threads={turn_threads} must be >= 1 (onnxruntime intra-op threads).")
         self.threshold = threshold
+        self.turn_detector = turn
+        self.max_silence_ms = max_silence_ms
+        self.turn_threshold = turn_threshold
+        self.turn_threads = turn_threads
         self.min_speech_ms = min_speech_ms
         self.min_silence_ms = min_silence_ms
         self.speech_pad_ms = speech_pad_ms
@@ -95,22 +132,36 @@ class SileroVAD(Node):
         self._min_silence = sample_rate * min_silence_ms // 1000
         self._pad = sample_rate * speech_pad_ms // 1000
         self._max_speech = int(sample_rate * max_speech_s)
+        self._max_silence = sample_rate * max_silence_ms // 1000
         self._session = None
+        self._smart_turn = None
         self.turn = 0  # keeps rising across conversations: turns are unique within a run
         self.reset()
 
     def port_rate(self, port: str) -> int | None:
         return self.sample_rate
 
-    def setup(self) -> None:
+    # The ONNX session is shared by every session of the process; the recurrent state and
+    # the stream (self._state, self._input ...) are per session, passed in on every run().
+    shared_safety = "thread-safe: onnxruntime's InferenceSession.run may be called from many threads"
+
+    def shared_key(self) -> tuple:
+        return ("silero",)
+
+    def load_shared(self):
         ort = require("onnxruntime", "vad")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1  # a 32 ms window is far too small to share out
         opts.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(
-            str(silero_model_path()), sess_options=opts, providers=["CPUExecutionProvider"]
-        )
+        return ort.InferenceSession(str(silero_model_path()), sess_options=opts, providers=["CPUExecutionProvider"])
+
+    def setup(self) -> None:
+        self._session = self.shared()
         self._sr = np.array(self.sample_rate, dtype=np.int64)
+        if self.turn_detector == "smart_turn":
+            from nodes.vad.smart_turn import shared_smart_turn
+
+            self._smart_turn = shared_smart_turn(self.turn_threads)
         self.reset()
         self.speech_probability(np.zeros(self.window, np.float32))  # warm up
         self.reset()
@@ -214,10 +265,11 @@ class SileroVAD(Node):
 
         if prob >= self.threshold:
             self._temp_end = None
+            self._asked = False
             self._last_voiced = pos
         elif prob < self._neg_threshold and self._temp_end is None:
             self._temp_end = pos  # silence begins here; the hangover starts counting
-        if self._temp_end is not None and end - self._temp_end >= self._min_silence:
+        if self._temp_end is not None and self._turn_over(end - self._temp_end):
             yield self._utterance(self._temp_end, t)
             self._to_idle(self._tail_windows())
         elif end - self._speech_start >= self._max_speech:
@@ -229,11 +281,35 @@ class SileroVAD(Node):
                 self._utt, self._utt_start, self._speech_start = [], end, end
                 yield self._confirm()
 
+    def _turn_over(self, silence: int) -> bool:
+        """Whether ``silence`` samples of pause end the turn (and record why when they do)."""
+        if silence < self._min_silence:
+            return False
+        if self._smart_turn is None:
+            return True
+        if silence >= self._max_silence:
+            self._record_end("max_silence", silence)
+            return True
+        if self._asked:  # once per pause: a longer silence only makes the model more sure
+            return False
+        self._asked = True
+        p = self._smart_turn.probability(np.concatenate(self._utt))
+        if p >= self.turn_threshold:
+            self._record_end("smart_turn", silence, probability=round(p, 3))
+            return True
+        self.ctx.log.debug("turn %d: pause, not finished (p=%.2f)", self.turn, p)
+        return False
+
+    def _record_end(self, by: str, silence: int, **fields: float) -> None:
+        self.ctx.record("turn_end", turn=self.turn, by=by,
+                        silence_ms=round(1000 * silence / self.sample_rate), **fields)
+
     def _confirm(self) -> SpeechStarted:
         self._phase = _SPEECH
         self._temp_end = None
+        self._asked = False
         self._last_voiced = None
-        self.turn += 1
+        self.turn = self.ctx.new_turn() if hasattr(self, "ctx") else self.turn + 1
         start = max(self._utt_start, self._speech_start - self._pad)
         return SpeechStarted(turn=self.turn, start=start / self.sample_rate)
 
@@ -271,4 +347,5 @@ class SileroVAD(Node):
         self._utt_start = 0
         self._speech_start = 0
         self._temp_end: int | None = None
+        self._asked = False  # the turn detector was asked during this pause
         self._last_voiced: int | None = None  # start of the last window that was speech
