@@ -35,10 +35,13 @@ def test_the_turn_model_runs_on_the_threads_it_is_given():
     assert SmartTurn(threads=2)._session.get_session_options().intra_op_num_threads == 2
 
 
-def test_local_cpu_gives_llama_server_and_piper_their_thread_budget():
+def test_local_cpu_sets_piper_threads_and_llama_server_threads_come_from_config():
     cfg, choices = compose(["recipe=local_cpu"])
-    assert ServerSpec.from_config(cfg.server).env["LLAMA_ARG_THREADS"] == "1"  # llama-server -t 1
+    assert ServerSpec.from_config(cfg.server).env["LLAMA_ARG_THREADS"] == "-1"  # llama-server's default
     assert (cfg.tts.threads, cfg.tts.first_clause_words) == (1, 4)
+    plan(cfg, choices)
+    cfg, choices = compose(["recipe=local_cpu", "server.env.LLAMA_ARG_THREADS=1"])
+    assert ServerSpec.from_config(cfg.server).env["LLAMA_ARG_THREADS"] == "1"  # llama-server -t 1
     plan(cfg, choices)
 
 
