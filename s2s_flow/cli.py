@@ -56,7 +56,7 @@ def describe(graph: Graph) -> str:
     for e in graph.edges:
         tag = " (explicit)" if e.explicit else ""
         lines.append(f"  {e.key:<34} {e.type.__name__:<13} ring {e.capacity:>4} {e.policy}{tag}")
-    lines += [f"serves: {spec.node.serves}" for spec in graph.nodes.values() if hasattr(spec.node, "serves")]
+    lines += [f"serves: {spec.node.serves}" for spec in graph.nodes.values() if spec.node.serves]
     return "\n".join(lines)
 
 
@@ -116,7 +116,8 @@ _threads_before: set[int | None] = set()  # idents of the threads alive when mai
 def _exit(code: int) -> None:
     """sys.exit, unless a thread this run started is still alive (a setup() stalled in a
     download, which nothing can stop): Python would wait for it at exit (non-daemon threads,
-    and every thread-pool worker, daemon or not), so flush and leave at once. The recipe
+    and every thread-pool worker, daemon or not: a worker started by a daemon setup thread is a
+    daemon too, and concurrent.futures joins it at exit), so flush and leave at once. The recipe
     server and the run dir were seen to on the way here."""
     stuck = [t for t in threading.enumerate() if t.is_alive() and t is not threading.current_thread()
              and t.ident not in _threads_before]
@@ -147,7 +148,7 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact.masked(cfg))))
     (run_dir / "choices.json").write_text(json.dumps(choices, indent=2))
-    serving = next((spec.node for spec in graph.nodes.values() if hasattr(spec.node, "serve")), None)
+    serving = next((spec.node for spec in graph.nodes.values() if spec.node.serve is not None), None)
     if serving is not None:  # io=realtime: one fresh graph per connection, models shared (DESIGN.md 10)
         with managed_server(cfg.get("server"), run_dir, console=console):
             return serving.serve(lambda: plan(cfg, choices), run_dir, console=console)

@@ -135,6 +135,12 @@ class Node:
     #: "locked: <why>" (the backend serialises calls), or "per session: <why>" (nothing shared)
     shared_safety: ClassVar[str] = "per session: nothing heavy to share"
 
+    #: a source that serves sessions itself (io=realtime) defines ``serve(make_graph, run_dir,
+    #: console=...)``: s2s-run hands it the run, and it builds one graph per session; ``serves``
+    #: is where it listens, for a dry run to print
+    serve: ClassVar[Callable[..., dict[str, Any]] | None] = None
+    serves: str | None = None
+
     ctx: Context
 
     def shared_key(self) -> Hashable | None:

@@ -280,7 +280,10 @@ def _carry(secret: Any) -> str:
         if name.startswith("S2S_SECRET_") and value == secret:
             break
     else:
-        name = f"S2S_SECRET_{sum(n.startswith('S2S_SECRET_') for n in os.environ) + 1}"
+        n = 1
+        while f"S2S_SECRET_{n}" in os.environ:  # never a name the user set
+            n += 1
+        name = f"S2S_SECRET_{n}"
         os.environ[name] = secret
     register([secret])
     return "${oc.env:" + name + "}"

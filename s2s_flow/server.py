@@ -495,7 +495,7 @@ class _Starter:
 def _copy_masked(pipe: Any, path: Path) -> None:
     """The server's output into its log, secrets masked: vLLM, for one, prints its arguments."""
     with pipe, open(path, "a", encoding="utf-8") as out:
-        for line in iter(lambda: pipe.readline(1 << 16), b""):
+        for line in iter(pipe.readline, b""):  # whole lines: a secret is never split between two
             out.write(redact.text(line.decode("utf-8", "replace")))
             out.flush()
 

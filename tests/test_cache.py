@@ -26,14 +26,17 @@ def test_callers_that_start_together_wait_for_one_maker(tmp_path: Path):
         time.sleep(0.2)  # the others arrive while this one works
         (out / "done").write_text("x")
 
+    together = threading.Barrier(4, timeout=10)
+
     def call() -> None:
+        together.wait()  # all four ask at once, so three must wait for the maker
         seen.append(make_once(tmp_path / "entry", make, marker="done"))
 
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(10)
     assert len(made) == 1 and seen == [tmp_path / "entry"] * 4
     assert (tmp_path / "entry" / "done").read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".entry.lock", "entry"]  # no staging dir left

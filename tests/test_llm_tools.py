@@ -25,6 +25,7 @@ from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Transcript
 from tests.support import tools
 from tests.support.fault_server import FaultServer, Reply, chat_chunks, responses_events
+from tests.support.managed import wait_until
 from tests.support.remote_llm import llm_node, text_of, turn
 
 SYSTEM = "You are terse."
@@ -296,8 +297,7 @@ def test_a_barge_in_during_a_running_tool_ends_the_turn_at_once(srv, tmp_path):
     got: list = []
     consumer = threading.Thread(target=lambda: got.extend(node.process("text", Transcript(turn=1, text="Maps?"))))
     consumer.start()
-    while not tools.CALLS:  # the tool is running (it blocks until RELEASE)
-        consumer.join(0.01)
+    assert wait_until(lambda: tools.CALLS, 30)  # the tool is running (it blocks until RELEASE)
     node.on_interrupt(2)  # the user speaks again
     consumer.join(10)
     assert not consumer.is_alive() and got[-1].end

@@ -77,18 +77,18 @@ def test_the_browser_page_hears_the_microphone_and_plays_the_reply(llama, tmp_pa
     server = _server(llama, tmp_path / "run")
     url = server.start()  # stopped below, with Chromium
     page_url = url.replace("ws://", "http://").removesuffix("/v1") + "/"
-    profile = tmp_path / "profile"
+    profile, log = tmp_path / "profile", tmp_path / "chromium.log"
     proc = subprocess.Popen(
         [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
          "--remote-debugging-port=0", "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
          f"--use-file-for-fake-audio-capture={wav}%noloop", "--autoplay-policy=no-user-gesture-required",
          page_url + "?autostart=1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=log.open("wb"))  # a file: a pipe nobody reads would fill and block it
     try:
         deadline = time.monotonic() + 180
         port_file = Path(profile, "DevToolsActivePort")
         while not port_file.is_file() or not port_file.read_text().strip():
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-2000:]
+            assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
             assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
             time.sleep(0.1)
         state = _page_state(int(port_file.read_text().split()[0]), page_url, deadline)

@@ -47,7 +47,7 @@ def _fresh(cls: type[Model]) -> None:
 def test_sessions_asking_at_once_share_one_load_per_key():
     _fresh(Model)
     nodes = [Model() for _ in range(4)] + [Model(name="other")]
-    Model.gate = threading.Barrier(len(nodes))
+    Model.gate = threading.Barrier(len(nodes), timeout=30)
     threads = [threading.Thread(target=n.setup) for n in nodes]
     for t in threads:
         t.start()

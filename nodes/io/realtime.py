@@ -32,7 +32,7 @@ import numpy as np
 
 from nodes._playback import Playback, playback_of
 from nodes.io._realtime_events import ProtocolError, SessionConfig, message_item, new_id
-from s2s_flow.audio import StreamResampler
+from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStarted, TextDelta, Transcript
 from s2s_flow.node import Node
@@ -389,7 +389,7 @@ class RealtimeSource(Node):
                 _, raw, in_rate, t = item
                 if in_rate != rate:
                     rate, resample = in_rate, StreamResampler(in_rate, self.rate)
-                pcm = resample(np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0)
+                pcm = resample(to_float32(np.frombuffer(raw, "<i2")))
                 pending = np.concatenate([pending, pcm]) if len(pending) else pcm
                 while len(pending) >= chunk:  # stamped as if each arrived in real time
                     piece, pending = pending[:chunk], pending[chunk:]
@@ -529,6 +529,15 @@ class RealtimeSink(Node):
                               "content_index": 0, "part": part})
             return resp
 
+    def _send_unless_done(self, session: Session, resp: Response, event: dict[str, Any]) -> bool:
+        """Send a delta unless an interrupt has cancelled the response meanwhile: checked under the
+        lock on_interrupt() marks it under, so no delta follows its ``response.done``."""
+        with self._lock:
+            if resp.done:
+                return False
+            session.send(event)  # only queues it for the connection's loop: cheap under the lock
+            return True
+
     def _ids(self, resp: Response) -> dict[str, Any]:
         return {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
 
@@ -540,7 +549,8 @@ class RealtimeSink(Node):
             resp.text += msg.text
             kind = "response.output_audio_transcript.delta" if "audio" in resp.modalities else \
                 "response.output_text.delta"
-            session.send({"type": kind, **self._ids(resp), "delta": msg.text})
+            if not self._send_unless_done(session, resp, {"type": kind, **self._ids(resp), "delta": msg.text}):
+                return
         if msg.end:
             resp.text_done = True
             if "audio" not in resp.modalities or "audio" not in self.ctx.inputs_connected:
@@ -566,8 +576,9 @@ class RealtimeSink(Node):
             if msg.text and (not resp.sentences or resp.sentences[-1][1] != msg.text):
                 resp.sentences.append((resp.audio_ms, msg.text))
             data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
-            session.send({"type": "response.output_audio.delta", **self._ids(resp),
-                          "delta": base64.b64encode(data).decode("ascii")})
+            if not self._send_unless_done(session, resp, {"type": "response.output_audio.delta", **self._ids(resp),
+                                                          "delta": base64.b64encode(data).decode("ascii")}):
+                return
             resp.audio_ms += 1000 * len(pcm) / session.config.output_rate
             if not resp.first_audio:
                 resp.first_audio = True

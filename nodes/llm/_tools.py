@@ -299,13 +299,15 @@ class Toolbox:
         with self._wake:
             self._wake.wait_for(done, timeout=max(0.0, deadline - time.monotonic()))
         for call, job in zip(calls, jobs, strict=True):
-            status = job.status if job.finished.is_set() else "cancelled" if cancelled() else "timeout"
+            # Read once: a thread past its timeout may still finish and write its job meanwhile.
+            status, result = (job.status, job.result) if job.finished.is_set() else \
+                ("cancelled" if cancelled() else "timeout", "")
             if status == "timeout":
-                job.result = (f"error: {call.name} did not finish within {self.timeout_s:g} s; tell the user it "
-                              f"is taking too long")
+                result = (f"error: {call.name} did not finish within {self.timeout_s:g} s; tell the user it is "
+                          "taking too long")
             elif status == "cancelled":
-                job.result = "cancelled: the user interrupted before the tool finished"
-            call.result = job.result
+                result = "cancelled: the user interrupted before the tool finished"
+            call.result = result
             seconds = (job.ended or time.monotonic()) - job.started
             record("tool_call", turn=turn, tool=call.name, call_id=call.id,
                    args_bytes=len(call.arguments.encode()), result_bytes=len(call.result.encode()),
