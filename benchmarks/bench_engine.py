@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._stats import percentile  # noqa: E402
 from s2s_flow import rings, trace  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
 from s2s_flow.messages import AudioChunk, Message, TextDelta  # noqa: E402
@@ -202,7 +203,7 @@ def run_queues(n: int, pace_hz: float = 0.0) -> Result:
 
 def per_hop(latencies: list[float]) -> tuple[float, float]:
     a = np.asarray(latencies) / HOPS * 1e3
-    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+    return percentile(a, 50), percentile(a, 99)
 
 
 def handoff_us(same_core: bool) -> float:

@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._stats import percentile  # noqa: E402
 from s2s_flow import metrics  # noqa: E402
 from s2s_flow.cli import plan  # noqa: E402
 from s2s_flow.compose import compose  # noqa: E402
@@ -68,8 +69,7 @@ def ms(x: float | None) -> str:
 def stats(xs: list[float]) -> str:
     if not xs:
         return "n=0"
-    a = np.array(xs)
-    return f"p50 {ms(float(np.percentile(a, 50)))} ms  p95 {ms(float(np.percentile(a, 95)))} ms  n={len(a)}"
+    return f"p50 {ms(percentile(xs, 50))} ms  p95 {ms(percentile(xs, 95))} ms  n={len(xs)}"
 
 
 # -- 1. barge-in ----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
+from benchmarks._stats import percentile  # noqa: E402
 from nodes.llm.chat import ChatCompletionsLLM  # noqa: E402
 from nodes.llm.responses import ResponsesLLM  # noqa: E402
 from s2s_flow.messages import Transcript  # noqa: E402
@@ -281,9 +282,6 @@ def report(clients: list[Client], args: argparse.Namespace, base_url: str) -> No
     def ms(x: float) -> str:
         return f"{x * 1000:8.2f}"
 
-    def pct(xs: list[float], q: float) -> float:
-        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
-
     refs = {"chat": clients[0], "responses": next(c for c in clients if c.name == "direct httpx  responses")}
     where = "canned loopback stream" if args.replay else base_url
     print(f"\n{len(clients[0].samples)} requests per client ({len(PROMPTS)} prompts x {args.runs} rounds, "
@@ -296,7 +294,7 @@ def report(clients: list[Client], args: argparse.Namespace, base_url: str) -> No
         # the same text for every client: the direct stream's piece count is its token count
         rates = [(b.pieces - 1) / (a.total - a.ttft) for a, b in zip(c.samples, ref.samples, strict=True)]
         same = all(a.text == b.text for a, b in zip(c.samples, ref.samples, strict=True))
-        print(f"{c.name:26} {ms(pct(ttft, 50))} {ms(pct(ttft, 95))} {ms(delta):>13} ms "
+        print(f"{c.name:26} {ms(percentile(ttft, 50))} {ms(percentile(ttft, 95))} {ms(delta):>13} ms "
               f"{statistics.median(rates):8.1f}  {'yes' if same else 'NO'}")
     print("\nTTFT in ms; '+TTFT vs direct' is the median over rounds of (client - direct httpx, same API);"
           "\ntok/s: tokens after the first / (end - first token); tokens counted on the direct stream.")

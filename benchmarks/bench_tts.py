@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from s2s_flow.messages import TextDelta
-from s2s_flow.node import Context
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._stats import percentile  # noqa: E402
+from s2s_flow.messages import TextDelta  # noqa: E402
+from s2s_flow.node import Context  # noqa: E402
 
 FIRST_SENTENCE = "Sure, I can help you with that."
 PARAGRAPH = (
@@ -79,12 +83,12 @@ def main() -> None:
     print("-" * len(header))
     for backend in args.backends:
         node, setup_s = make(backend, args.sample_rate)
-        firsts = sorted(first_audio_s(node) for _ in range(args.runs))
+        firsts = [first_audio_s(node) for _ in range(args.runs)]
         rtfs, audio = [], 0.0
         for _ in range(args.runs):
             busy, audio = paragraph_rtf(node)
             rtfs.append(busy / audio)
-        p95 = firsts[min(len(firsts) - 1, round(0.95 * (len(firsts) - 1)))]
+        p95 = percentile(firsts, 95)
         print(f"{backend:8} {setup_s:8.2f} {1000 * statistics.median(firsts):19.1f} {1000 * p95:8.1f} "
               f"{statistics.median(rtfs):8.3f} {audio:8.1f}")
 

@@ -30,7 +30,9 @@ a backend states in ``shared_safety`` how it may be used::
     def setup(self): self._whisper = self.shared()
 
 The cache holds resources weakly: they live while a session's node (or a server that keeps
-them warm: :func:`keep_shared`) holds them, and are freed with the last one.
+them warm: :func:`keep_shared`) holds them, and are freed with the last one. A heavy helper
+that is not the node's own resource (the turn model a VAD may consult) goes through the same
+cache with :func:`shared`: ``shared((__name__, threads), lambda: SmartTurn(threads))``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any, ClassVar
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
 
-__all__ = ["Node", "Context", "require", "keep_shared"]
+__all__ = ["Node", "Context", "require", "shared", "keep_shared"]
 
 
 class Context:
@@ -155,19 +157,7 @@ class Node:
     def shared(self) -> Any:
         """What ``load_shared()`` made for this node's ``shared_key()``: loaded by the first session
         that asks (the others wait for it), the same object for all of them after."""
-        key = (type(self).__module__, type(self).__qualname__, self.shared_key())
-        with _SHARED_LOCK:
-            lock = _LOADING.setdefault(key, threading.Lock())
-        with lock:
-            value = _SHARED.get(key)
-            if value is None:
-                value = self.load_shared()
-                _SHARED[key] = value
-        with _SHARED_LOCK:
-            for keep in _KEEPERS:
-                if not any(held is value for held in keep):
-                    keep.append(value)
-        return value
+        return shared((type(self).__module__, type(self).__qualname__, self.shared_key()), self.load_shared)
 
     def port_rate(self, port: str) -> int | None:
         """Sample rate of an audio port, if fixed by the parameters (checked across edges)."""
@@ -213,6 +203,25 @@ _SHARED_LOCK = threading.Lock()
 _SHARED: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
 _LOADING: dict[Any, threading.Lock] = {}
 _KEEPERS: list[list[Any]] = []
+
+
+def shared(key: Hashable, load: Callable[[], Any]) -> Any:
+    """The process-wide object for ``key``: ``load()`` runs for the first caller (the others
+    wait for it), every caller after gets the same object while someone holds it. ``key``
+    must name its owner (a module, a class) so that two owners never meet; ``load()`` must
+    return an object that can be weakly referenced. ``Node.shared()`` is this, keyed by class."""
+    with _SHARED_LOCK:
+        lock = _LOADING.setdefault(key, threading.Lock())
+    with lock:
+        value = _SHARED.get(key)
+        if value is None:
+            value = load()
+            _SHARED[key] = value
+    with _SHARED_LOCK:
+        for keep in _KEEPERS:
+            if not any(held is value for held in keep):
+                keep.append(value)
+    return value
 
 
 @contextlib.contextmanager

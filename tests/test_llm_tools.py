@@ -282,10 +282,14 @@ def test_a_model_that_keeps_calling_is_offered_no_tools_after_max_tool_rounds(sr
     assert "no more tool rounds are left (llm.max_tool_rounds=2)" in caplog.text
 
 
-def test_a_call_without_a_function_name_is_the_servers_fault(srv, tmp_path):
-    srv.script(Reply.sse(chat_call_chunks(("c1", "", "{}"))))
-    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=[WEATHER])
-    with pytest.raises(RemoteError, match=r"sent a tool call without a function name"):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_call_without_a_function_name_is_the_servers_fault(srv, tmp_path, api):
+    if api == "chat":
+        srv.script(Reply.sse(chat_call_chunks(("c1", "", "{}"))))
+    else:
+        srv.script(Reply.sse(responses_call_events("c1", "", "{}")))
+    node = llm_node(ChatCompletionsLLM if api == "chat" else ResponsesLLM, srv.base_url, tmp_path, tools=[WEATHER])
+    with pytest.raises(RemoteError, match=rf"the server at {srv.base_url} sent a tool call without a function name"):
         turn(node, "Weather?")
 
 

@@ -127,58 +127,84 @@ def test_a_key_from_the_environment_is_never_printed(tmp_path: Path):
 
 
 # -- a model server started with the key ------------------------------------------------------
+# A real llama-server serving SmolLM2 (skipped with the command that provides either). The LLM's
+# setup asks it for its models with llm.api_key, which it refuses unless it was given that very
+# key: a run that succeeds shows the key reached the server unmasked while no output shows it.
 
-FAKE_SERVER = """
-    import http.server, json, sys
-    print("non-default args:", sys.argv[1:], flush=True)  # as vLLM logs its arguments
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"data": [{"id": "fake-model"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        def log_message(self, *args):
-            pass
-    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
+SERVED = ("stt=none", "llm=chat", "chain=[io.source,vad,llm]")
 
 
-@pytest.mark.parametrize("mode", ["run", "sweep"])
-@pytest.mark.parametrize("key_in", ["recipe", "override"])
-def test_a_key_in_the_server_command_reaches_no_file_and_no_output(tmp_path: Path, silence: Path, key_in: str,
-                                                                  mode: str):
-    script = tmp_path / "fake_server.py"
-    script.write_text(textwrap.dedent(FAKE_SERVER))
-    port = free_port()
-    command = [sys.executable, str(script), "--port", "{port}"]
-    in_recipe = [f"--api-key={KEY}", "--hf-token", OTHER_KEY] if key_in == "recipe" else []
-    env = recipe(tmp_path, f"""\
-        llm:
-          api_key: {OTHER_KEY}
-        server:
-          command: {json.dumps(command + in_recipe)}
-          ready_url: http://127.0.0.1:{port}/v1/models
-          stop_timeout_s: 2
-        """)
-    args = ["recipe=keyed", *CHEAP, f"io.input={silence}"]
-    if key_in == "override":
-        args.append(f"server.command=[{sys.executable},{script},--port,'{{port}}',--api-key,{KEY}]")
+def served_recipe(tmp_path: Path, model: Path, port: int, *, llm_key: str | None, command: list[str],
+                  env: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``keyed`` recipe: llama-server on ``port`` started with ``command`` and ``env``; the LLM talks to it."""
+    block = {"llm": {"base_url": f"http://127.0.0.1:{port}/v1"},
+             "server": {"command": command, "model": str(model), "ready_url": f"http://127.0.0.1:{port}/health",
+                        "stop_timeout_s": 5}}
+    if llm_key is not None:
+        block["llm"]["api_key"] = llm_key
+    if env:
+        block["server"]["env"] = env
+    return recipe(tmp_path, OmegaConf.to_yaml(OmegaConf.create(block)))
+
+
+def llama_command(*key_args: str) -> list[str]:
+    return ["{llama_server}", "-m", "{model}", "--host", "{host}", "--port", "{port}", "-c", "512", "-np", "1",
+            *key_args]
+
+
+def sweep_or_run(args: list[str], out: Path, mode: str) -> list[str]:
+    if mode == "sweep":  # one server per job
+        return ["-m", *args, "vad.min_silence_ms=300,500", f"hydra.sweep.dir={out}"]
+    return [*args, f"hydra.run.dir={out}"]
+
+
+@pytest.mark.parametrize(("key_in", "mode"), [("recipe", "run"), ("recipe", "sweep"), ("override", "run"),
+                                              ("override", "sweep"), ("env", "run")])
+def test_a_key_the_server_is_started_with_reaches_no_file_and_no_output(
+        tmp_path: Path, silence: Path, llama_server_binary: Path, smollm2_gguf: Path, key_in: str, mode: str):
+    port, args = free_port(), ["recipe=keyed", *SERVED, f"io.input={silence}"]
+    if key_in == "recipe":  # and a second secret flag the server takes (and has no use for here)
+        env = served_recipe(tmp_path, smollm2_gguf, port, llm_key=KEY,
+                            command=llama_command("--api-key", KEY, "--hf-token", OTHER_KEY))
+    elif key_in == "override":
+        env = served_recipe(tmp_path, smollm2_gguf, port, llm_key=None, command=llama_command())
+        command = ",".join(a if a.startswith("-") or a.isdigit() else f"'{a}'" for a in llama_command())
+        args += [f"server.command=[{command},--api-key,{KEY}]", f"llm.api_key={KEY}"]
+    else:  # llama-server reads LLAMA_API_KEY as its --api-key
+        env = served_recipe(tmp_path, smollm2_gguf, port, llm_key=KEY, command=llama_command(),
+                            env={"LLAMA_API_KEY": KEY})
     out = tmp_path / "out"
-    if mode == "sweep":
-        args = ["-m", *args, "vad.min_silence_ms=300,500", f"hydra.sweep.dir={out}"]
-    else:
-        args.append(f"hydra.run.dir={out}")
-    proc = s2s_run(*args, cwd=tmp_path, **env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = s2s_run(*sweep_or_run(args, out, mode), cwd=tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the LLM got in: the server has the real key
     logs = sorted(out.rglob("server.log"))
     assert len(logs) == (2 if mode == "sweep" else 1)
     for log in logs:
-        text = log.read_text()
-        assert "non-default args:" in text and "***" in text, text  # the server did print its arguments
-        assert json.loads((log.parent / "server.json").read_text())["started"] is True
+        command_line = log.read_text().splitlines()[0]
+        assert command_line.startswith("$ ") and "llama-server" in command_line, command_line
+        if key_in != "env":
+            assert "--api-key '***'" in command_line, command_line
+        info = json.loads((log.parent / "server.json").read_text())
+        assert info["started"] is True and "--port" in info["command"]
     assert leaks(proc, out, keys=(KEY, OTHER_KEY)) == []
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_a_server_that_dies_quoting_its_key_is_reported_without_it(
+        tmp_path: Path, silence: Path, llama_server_binary: Path, smollm2_gguf: Path, mode: str):
+    # llama-server takes no --api-key=KEY form: it exits at once, its error quoting the argument
+    env = served_recipe(tmp_path, smollm2_gguf, free_port(), llm_key=KEY, command=llama_command(f"--api-key={KEY}"))
+    out = tmp_path / "out"
+    proc = s2s_run(*sweep_or_run(["recipe=keyed", *SERVED, f"io.input={silence}"], out, mode), cwd=tmp_path, **env)
+    quoted = "invalid argument: --api-key=***"
+    if mode == "run":
+        assert proc.returncode != 0, "this llama-server took --api-key=KEY: the test needs an argument it refuses"
+        assert quoted in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert quoted in (out / "0" / "error.txt").read_text()
+        assert "2 failed" in (out / "sweep.md").read_text()
+    logs = sorted(out.rglob("server.log"))
+    assert len(logs) == (2 if mode == "sweep" else 1) and all(quoted in log.read_text() for log in logs)
+    assert leaks(proc, out) == []
 
 
 # -- a server error that echoes the key -------------------------------------------------------

@@ -93,3 +93,28 @@ def test_piper_rejects_a_voice_path_that_is_not_an_onnx_file(tmp_path) -> None:
 def test_piper_knows_its_output_rate_before_loading_anything() -> None:
     assert PiperTTS().port_rate("audio") == 22050
     assert PiperTTS(sample_rate=16000).port_rate("audio") == 16000
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_piper_builds_one_onnx_session_per_voice_load(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    import weakref
+
+    import onnxruntime
+
+    from s2s_flow import node as contract
+
+    built: list[onnxruntime.InferenceSession] = []
+
+    class Counted(onnxruntime.InferenceSession):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", Counted)
+    monkeypatch.setattr(contract, "_SHARED", weakref.WeakValueDictionary())  # a fresh load, not a cached voice
+    tts = make(tmp_path_factory, threads=threads, **DETERMINISTIC)
+    assert built == [tts._voice.session], "one session, the one the voice runs"
+    assert built[0].get_session_options().intra_op_num_threads == threads
+    assert next(iter(tts.synthesize(FIRST))).size > 0

@@ -7,6 +7,7 @@ from the position in the stream at which the VAD made it.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 import weakref
@@ -15,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nodes.vad import smart_turn
 from nodes.vad.silero import SileroVAD
 from nodes.vad.smart_turn import smart_turn_model_path, whisper_log_mel
+from s2s_flow import node
 from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.messages import AudioChunk, Speech
-from s2s_flow.node import Context
+from s2s_flow.node import Context, keep_shared
 from tests.support.speech import synthesize
 
 RATE = 16000
@@ -123,7 +124,7 @@ def test_bad_turn_parameters_are_config_errors_naming_the_option(params, option)
 
 def test_a_missing_pipecat_wheel_gives_the_no_deps_install_command(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pipecat", None)  # how an environment without the wheel looks to find_spec
-    monkeypatch.setattr(smart_turn, "_LOADED", weakref.WeakValueDictionary())  # none loaded by earlier tests
+    monkeypatch.setattr(node, "_SHARED", weakref.WeakValueDictionary())  # none loaded by earlier tests
     vad = SileroVAD(**SMART)
     vad.ctx = Context("vad", tmp_path)
     with pytest.raises(MissingDependency) as err:
@@ -142,9 +143,14 @@ def test_metrics_say_what_ended_each_turn():
     assert [row["turn_end"] for row in rows] == ["smart_turn", "max_silence"]
 
 
-def test_sessions_share_one_turn_model(tmp_path, model_wheel):
-    first, second = SileroVAD(**SMART), SileroVAD(**SMART)
-    for vad in (first, second):
-        vad.ctx = Context("vad", tmp_path)
-        vad.setup()
-    assert first._smart_turn is second._smart_turn
+def test_sessions_share_one_turn_model_that_a_server_keeps_warm(tmp_path, model_wheel):
+    with keep_shared() as held:  # what io=realtime does while it serves
+        first, second = SileroVAD(**SMART), SileroVAD(**SMART)
+        for vad in (first, second):
+            vad.ctx = Context("vad", tmp_path)
+            vad.setup()
+        assert first._smart_turn is second._smart_turn
+        model = weakref.ref(first._smart_turn)
+        del first, second, vad
+        gc.collect()
+        assert model() is not None and any(kept is model() for kept in held), "kept between sessions"

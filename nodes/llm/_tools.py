@@ -26,19 +26,29 @@ import threading
 import time
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from nodes.llm._conversation import Exchange, ToolCall, ToolRound
 from s2s_flow.errors import ConfigError
 
-__all__ = ["Tool", "Toolbox", "describe", "answer_with_tools", "TOOL_CHOICES"]
+__all__ = ["Tool", "Toolbox", "describe", "answer_with_tools", "TOOL_CHOICES", "forces_call", "named_tool"]
 
 TOOL_CHOICES = ("auto", "none", "required")
 RESULT_CHARS = 4000  # a longer result is cut: it is prompt the next round must prefill
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
 _SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns?|Raises|Yields|Examples?|Notes?)\s*:?\s*$")
+
+
+def forces_call(choice: str) -> bool:
+    """Whether a tool choice makes the model call a tool: ``required``, or a tool's name."""
+    return choice not in ("auto", "none")
+
+
+def named_tool(choice: str) -> str | None:
+    """The tool a choice names (the model must call that one), or None for auto, none, required."""
+    return None if choice in TOOL_CHOICES else choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,11 +245,11 @@ class Toolbox:
                 raise ConfigError(f"{group}.tools names two tools called {tool.name!r} "
                                   f"({self.tools[tool.name].path}, {path}); the model could not tell them apart")
             self.tools[tool.name] = tool
-        if choice not in TOOL_CHOICES and choice not in self.tools:
+        if named_tool(choice) is not None and choice not in self.tools:
             names = ", ".join(self.tools) or "none declared"
             raise ConfigError(f"{group}.tool_choice={choice!r} is neither auto, none, required nor the name of "
                               f"a tool in {group}.tools ({names})")
-        if choice != "auto" and choice != "none" and not self.tools:
+        if forces_call(choice) and not self.tools:
             raise ConfigError(f"{group}.tool_choice={choice!r} needs tools: list them in {group}.tools")
         for option, ok, expected in (("tool_timeout_s", timeout_s > 0, "seconds > 0"),
                                      ("max_tool_rounds", 1 <= max_rounds <= 20, "1 to 20"),
@@ -268,6 +278,20 @@ class Toolbox:
         """An id for a call whose backend gives none (local chat templates)."""
         self._calls += 1
         return f"call_{turn}_{self._calls}"
+
+    def from_server(
+        self, calls: Iterable[Mapping[str, Any]], *, turn: int, sender: str,
+        error: Callable[[str], Exception] = ValueError,
+    ) -> Iterator[ToolCall]:
+        """The calls a model server sent (``id``, ``name``, ``arguments`` as JSON text or an
+        object) as :class:`ToolCall`; a missing id is made up. A call without a name is the
+        sender's fault, raised as ``error``: there is nothing to run or to answer."""
+        for call in calls:
+            if not call.get("name"):
+                raise error(f"{sender} sent a tool call without a function name: {str(dict(call))[:200]}")
+            arguments = call.get("arguments") or ""
+            yield ToolCall(id=call.get("id") or self.new_id(turn), name=call["name"],
+                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
 
     def wake(self) -> None:
         """Barge-in (from any thread): a wait for tools returns now; the caller checks why."""

@@ -7,13 +7,13 @@ audio-capable models (llama-server with an audio ``--mmproj``, vLLM, OpenAI audi
 from __future__ import annotations
 
 import base64
-import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from nodes._remote import RemoteError, RemoteLLM
 from nodes.llm._conversation import Exchange, ToolCall
+from nodes.llm._tools import named_tool
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, Speech, TextDelta, Transcript
@@ -92,8 +92,8 @@ class ChatCompletionsLLM(RemoteLLM):
         body["messages"] = self.conversation.messages(self.render_user)
         if self.toolbox:
             body["tools"] = [tool.chat_schema() for tool in self.toolbox.tools.values()]
-            named = tool_choice not in ("auto", "none", "required")
-            body["tool_choice"] = {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
+            name = named_tool(tool_choice)
+            body["tool_choice"] = {"type": "function", "function": {"name": name}} if name else tool_choice
             if self.prefill(tool_choice):
                 body["messages"].append({"role": "assistant", "content": self.prefill(tool_choice)})
         body["stream"] = self.stream
@@ -137,15 +137,10 @@ class ChatCompletionsLLM(RemoteLLM):
         self.log_reply(usage=usage, reasoning=reasoning, stop=finish, spoke=spoke or bool(calls))
         yield from self._calls(calls[i] for i in sorted(calls))
 
-    def _calls(self, calls: Any) -> Iterator[ToolCall]:
-        """Tool calls as parsed; one without a name is the server's fault and is reported."""
-        for call in calls:
-            if not call.get("name"):
-                raise RemoteError(f"the server at {self.client.base_url} sent a tool call without a function "
-                                  f"name: {str(call)[:200]}")
-            arguments = call.get("arguments") or ""
-            yield ToolCall(id=call.get("id") or self.toolbox.new_id(self._turn or 0), name=call["name"],
-                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+    def _calls(self, calls: Iterable[dict[str, Any]]) -> Iterator[ToolCall]:
+        """``{id, name, arguments}`` as the server sent them; one without a name is its fault."""
+        return self.toolbox.from_server(calls, turn=self._turn or 0, sender=f"the server at {self.client.base_url}",
+                                        error=RemoteError)
 
     def full_reply(self, answer: Any) -> list[str | ToolCall]:
         try:

@@ -11,12 +11,12 @@ support varies.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nodes._remote import RemoteError, RemoteLLM
 from nodes.llm._conversation import ToolCall
+from nodes.llm._tools import named_tool
 from s2s_flow.messages import TextDelta, Transcript
 
 _REASONING_EVENTS = frozenset({
@@ -40,8 +40,8 @@ class ResponsesLLM(RemoteLLM):
         body["input"] = [item for m in self.conversation.messages() for item in input_items(m)]
         if self.toolbox:
             body["tools"] = [tool.responses_schema() for tool in self.toolbox.tools.values()]
-            named = tool_choice not in ("auto", "none", "required")
-            body["tool_choice"] = {"type": "function", "name": tool_choice} if named else tool_choice
+            name = named_tool(tool_choice)
+            body["tool_choice"] = {"type": "function", "name": name} if name else tool_choice
             if self.prefill(tool_choice):
                 body["input"] += input_items({"role": "assistant", "content": self.prefill(tool_choice)})
         body["stream"] = self.stream
@@ -84,17 +84,13 @@ class ResponsesLLM(RemoteLLM):
         self.log_reply(usage=usage, reasoning=reasoning, stop=stop, spoke=spoke or bool(calls))
         yield from self._calls(calls.values())
 
-    def _calls(self, items: Any) -> Iterator[ToolCall]:
-        """function_call items as tool calls; the arguments as the ``done`` event or item gave
-        them, else as their deltas added up."""
-        for item in items:
-            if not item.get("name"):
-                raise RemoteError(f"the server at {self.client.base_url} sent a function call without a "
-                                  f"name: {str(item)[:200]}")
-            arguments = item.get("arguments", item.get("streamed", ""))
-            yield ToolCall(id=item.get("call_id") or item.get("id") or self.toolbox.new_id(self._turn or 0),
-                           name=item["name"],
-                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+    def _calls(self, items: Iterable[dict[str, Any]]) -> Iterator[ToolCall]:
+        """function_call items as tool calls: the id is the ``call_id``, the arguments as the
+        ``done`` event or item gave them, else as their deltas added up."""
+        calls = ({"id": item.get("call_id") or item.get("id"), "name": item.get("name"),
+                  "arguments": item.get("arguments", item.get("streamed", ""))} for item in items)
+        return self.toolbox.from_server(calls, turn=self._turn or 0, sender=f"the server at {self.client.base_url}",
+                                        error=RemoteError)
 
     def full_reply(self, answer: Any) -> list[str | ToolCall]:
         if not isinstance(answer, dict) or answer.get("error") or answer.get("status") == "failed":

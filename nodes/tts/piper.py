@@ -71,18 +71,20 @@ class PiperTTS(SentenceTTS):
         return (self.voice, self.threads)
 
     def load_shared(self):
+        # What PiperVoice.load does, with our session options: building the session once, here,
+        # rather than letting load() build one only to replace it.
         piper = require("piper", "piper")
+        ort = require("onnxruntime", "piper")
         model, config = self._voice_files()
         self.ctx.progress(f"loading piper voice {model.name}")
-        voice = piper.PiperVoice.load(model, config_path=config)
+        opts = ort.SessionOptions()
         if self.threads:  # a CPU budget: these threads only, and none spinning while idle
-            ort = require("onnxruntime", "piper")
-            opts = ort.SessionOptions()
             opts.intra_op_num_threads = self.threads
             opts.inter_op_num_threads = 1
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            voice.session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
-        return voice
+        session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
+        voice_config = piper.PiperConfig.from_dict(json.loads(config.read_text(encoding="utf-8")))
+        return piper.PiperVoice(session=session, config=voice_config)  # the fields since piper-tts 1.3
 
     def setup(self) -> None:
         piper = require("piper", "piper")

@@ -14,14 +14,12 @@ does (tests/test_turn_smart.py holds them to pipecat's own extractor).
 from __future__ import annotations
 
 import importlib.util
-import threading
-import weakref
 from pathlib import Path
 
 import numpy as np
 
 from s2s_flow.errors import MissingDependency
-from s2s_flow.node import require
+from s2s_flow.node import require, shared
 
 __all__ = ["SmartTurn", "shared_smart_turn", "smart_turn_model_path", "whisper_log_mel"]
 
@@ -106,14 +104,7 @@ class SmartTurn:
         return float(self._session.run(None, {"input_features": features})[0].reshape(-1)[0])
 
 
-_LOADED: weakref.WeakValueDictionary[int, SmartTurn] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
-
-
 def shared_smart_turn(threads: int = 1) -> SmartTurn:
-    """One model per process and thread count, for every session that holds it (freed with the last)."""
-    with _LOCK:
-        model = _LOADED.get(threads)
-        if model is None:
-            model = _LOADED[threads] = SmartTurn(threads)
-        return model
+    """One model per process and thread count, for every session that holds it (freed with the
+    last, kept warm by a server): the node contract's cache, :func:`s2s_flow.node.shared`."""
+    return shared((__name__, threads), lambda: SmartTurn(threads))
