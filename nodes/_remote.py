@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from nodes._playback import truncate_to_heard
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
-from nodes.llm._tools import Toolbox, answer_with_tools
+from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message, TextDelta
 from s2s_flow.node import Node, require
@@ -660,7 +660,7 @@ class RemoteLLM(Node):
 
     def prefill(self, tool_choice: str) -> str | None:
         """The text the assistant's turn starts with in this request (``tool_call_prefill``), if any."""
-        return self.tool_call_prefill if self.toolbox and tool_choice not in ("auto", "none") else None
+        return self.tool_call_prefill if self.toolbox and forces_call(tool_choice) else None
 
     def template_kwargs(self) -> dict[str, Any]:
         """``chat_template_kwargs``: the thinking switch only for servers of one's own (llama.cpp
@@ -690,12 +690,15 @@ class RemoteLLM(Node):
         if last is not None and last[0] == msg.turn and last[1] != port:
             self.ctx.log.debug("turn %d was answered from %r already; %r ignored", msg.turn, last[1], port)
             return  # both text and audio wired: one reply per turn
+        speculative = getattr(msg, "speculative", False)
+        if self.conversation.settle(msg.turn, speculative):
+            return  # confirmed: its reply already went out on the speculative transcript
         user = self.user_content(port, msg)
         if user is None:
             return
         self._answered = (msg.turn, port)
         truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
-        exchange: Exchange = self.conversation.add_user(user, msg.turn)
+        exchange: Exchange = self.conversation.add_user(user, msg.turn, speculative=speculative)
         yield from reply_deltas(
             self._reply(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
             log=self.ctx.log, interrupted=lambda: msg.turn < self._stale_below,

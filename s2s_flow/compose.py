@@ -26,6 +26,16 @@ if not OmegaConf.has_resolver("s2s.gguf"):
     OmegaConf.register_new_resolver("s2s.gguf", _package_gguf)
 
 
+def _when(condition: object, value: object) -> object:
+    return value if condition else None
+
+
+# ${s2s.when:CONDITION,VALUE}: VALUE when CONDITION is set (not 0, false, null or empty), else
+# null; e.g. the gate's _target_, so the node joins the chain only when speculation is on.
+if not OmegaConf.has_resolver("s2s.when"):
+    OmegaConf.register_new_resolver("s2s.when", _when)
+
+
 def conf_dir() -> Path:
     """conf/ beside the package in a checkout, or s2s_flow/conf inside an installed wheel."""
     here = Path(__file__).resolve().parent

@@ -76,9 +76,14 @@ class AudioChunk(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpeechStarted(Message):
-    """Speech was confirmed by the VAD: a new user turn begins (barge-in keys on it)."""
+    """Speech was confirmed by the VAD: a new user turn begins (barge-in keys on it).
+
+    ``continues``: the turn whose speculative reply was just withdrawn because the user went
+    on talking (``vad.speculate_ms``); this turn is the same utterance, not a new one.
+    """
 
     start: float = 0.0
+    continues: int = 0
 
     has_marks: ClassVar[bool] = True
 
@@ -92,6 +97,13 @@ class Speech(Message):
 
     ``start``/``end`` are stream offsets in seconds; ``speech_end_t`` is the monotonic
     time at which the user really stopped talking (VAD stop minus its silence hangover).
+
+    ``speculative``: sent at an early pause (``vad.speculate_ms``), before the turn is known to
+    be over, so the reply can start. If the turn ends at that pause the VAD sends the same
+    utterance again with ``speculative=False`` (the confirmation; held replies may play). If the
+    user goes on, the VAD withdraws the turn (an interrupt, reason "speculation") and the
+    utterance continues as a new turn (``SpeechStarted.continues``). Only the LLM path acts on a
+    speculative message; sinks show a turn's user side from its confirmed messages.
     """
 
     pcm: np.ndarray
@@ -99,6 +111,7 @@ class Speech(Message):
     start: float
     end: float
     speech_end_t: float
+    speculative: bool = False
 
     ring: ClassVar[tuple[int, str]] = (8, "block")
 
@@ -113,9 +126,14 @@ class Speech(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Transcript(Message):
+    """What the user said. ``final=False``: a live partial, for display only. ``speculative``:
+    the transcript of a speculative ``Speech`` (the LLM may start on it; a confirmation with
+    ``speculative=False`` follows if the turn ends there)."""
+
     text: str
     language: str | None = None
     final: bool = True
+    speculative: bool = False
 
     ring: ClassVar[tuple[int, str]] = (16, "block")
 

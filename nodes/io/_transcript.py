@@ -25,7 +25,7 @@ class TurnText:
     def note(self, msg: Message) -> None:
         """Take a Transcript (final only) or a TextDelta; ignore anything else."""
         if isinstance(msg, Transcript):
-            if msg.final:
+            if msg.final and not msg.speculative:
                 self.user = msg.text
         elif isinstance(msg, TextDelta):
             self.agent.append(msg.text)

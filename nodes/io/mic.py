@@ -211,6 +211,8 @@ class SpeakerSink(Node):
         assert player is not None
         if player.error is not None:
             raise player.error
+        if getattr(msg, "speculative", False) or getattr(msg, "continues", 0):
+            return  # a speculative turn (vad.speculate_ms): only its confirmation counts here
         if port == "audio":
             self._play(player, msg)  # type: ignore[arg-type]
         elif port == "mic":

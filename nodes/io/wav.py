@@ -177,6 +177,8 @@ class WavSink(Node):
         self._rows = TranscriptFile(self.dir)
 
     def process(self, port: str, msg: Message) -> None:
+        if getattr(msg, "speculative", False):
+            return  # a speculative turn's transcript: its confirmation follows if the turn ends there
         turn = self._turns.setdefault(msg.turn, _Turn())
         if isinstance(msg, AudioOut):
             if len(msg.pcm):

@@ -74,13 +74,29 @@ class Conversation:
         self.system_prompt = system_prompt or None
         self.max_turns = max_turns
         self.exchanges: list[Exchange] = []
+        self.unconfirmed: set[int] = set()  # turns opened on a speculative transcript
 
-    def add_user(self, user: Any, turn: int) -> Exchange:
+    def add_user(self, user: Any, turn: int, *, speculative: bool = False) -> Exchange:
         """Open a new exchange; the oldest ones fall out of the window."""
         exchange = Exchange(user=user, turn=turn)
         self.exchanges.append(exchange)
         del self.exchanges[: -self.max_turns]
+        if speculative:
+            self.unconfirmed.add(turn)
         return exchange
+
+    def settle(self, turn: int, speculative: bool) -> bool:
+        """Speculative turns (``vad.speculate_ms``): True when this user message of ``turn`` only
+        confirms a turn already answered on its speculative transcript (no second reply).
+        Otherwise a new user turn begins, and each speculative turn never confirmed is
+        forgotten first: the user went on, and the whole utterance comes again as this turn."""
+        if not speculative and turn in self.unconfirmed:
+            self.unconfirmed.discard(turn)
+            return True
+        if self.unconfirmed:
+            self.exchanges = [e for e in self.exchanges if e.turn not in self.unconfirmed]
+            self.unconfirmed.clear()
+        return False
 
     def record_reply(self, exchange: Exchange, text: str) -> None:
         """Keep the reply as produced (possibly partial: an interrupt or a broken stream)."""

@@ -16,7 +16,7 @@ from nodes._hub import model_path
 from nodes._playback import truncate_to_heard
 from nodes._remote import RemoteLLM, check_range
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
-from nodes.llm._tools import Toolbox, answer_with_tools
+from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, TextDelta, Transcript
 from s2s_flow.node import Node
@@ -120,7 +120,7 @@ class LocalLLM(Node):
     def call_prefill(self, tool_choice: str) -> tuple[str, str]:
         """(text appended to the prompt, the part of it inside the call) that forces a call:
         ``<tool_call>`` for ``required``, and the function's name too for a named choice."""
-        if tool_choice in ("auto", "none") or not self.toolbox:
+        if not forces_call(tool_choice) or not self.toolbox:
             return "", ""
         inside = "" if tool_choice == "required" else f'\n{{"name": "{tool_choice}", "arguments": '
         return TOOL_START + inside, inside
@@ -171,11 +171,14 @@ class LocalLLM(Node):
         text = getattr(msg, "text", "")
         if not getattr(msg, "final", True):
             return  # partial transcripts: wait for the final one
+        speculative = getattr(msg, "speculative", False)
+        if self.conversation.settle(msg.turn, speculative):
+            return  # confirmed: its reply already went out on the speculative transcript
         if not text.strip():
             self.ctx.log.info("turn %d: empty transcript, no reply", msg.turn)
             return
         truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
-        exchange: Exchange = self.conversation.add_user(text, msg.turn)
+        exchange: Exchange = self.conversation.add_user(text, msg.turn, speculative=speculative)
         if self.toolbox:
             turn = msg.turn
             pieces = answer_with_tools(
@@ -244,8 +247,8 @@ class LocalLLM(Node):
             if self.enable_thinking:
                 pieces = _without_thinking(generation, opened=self._prompt_opens_thinking)
             if self.toolbox:
-                pieces = split_tool_calls(pieces, opened=self.call_prefill(tool_choice)[1] if tool_choice not in (
-                    "auto", "none") else None, new_id=lambda: self.toolbox.new_id(turn))
+                opened = self.call_prefill(tool_choice)[1] if forces_call(tool_choice) else None
+                pieces = split_tool_calls(pieces, opened=opened, new_id=lambda: self.toolbox.new_id(turn))
             yield from pieces
         finally:
             generation.close()  # stops the generation now, whichever way the reply ended

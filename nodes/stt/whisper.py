@@ -142,16 +142,20 @@ class WhisperSTT(UtteranceSTT):
                               f"{self.language!r}: choose a multilingual model (stt.model=large-v3-turbo) "
                               "or stt.language=en.")
 
-    def transcribe(self, audio: np.ndarray) -> tuple[str, str | None]:
+    def transcribe(self, audio: np.ndarray, prompt: str | None = None) -> tuple[str, str | None]:
         segments, info = self._whisper.transcribe(
             audio,
             language=None if self.language == "auto" else self.language,
             beam_size=self.beam_size,
             condition_on_previous_text=False,  # each turn stands alone
+            initial_prompt=prompt or None,
             without_timestamps=True,
             vad_filter=False,  # the VAD already cut the turn
         )
         return "".join(segment.text for segment in segments).strip(), info.language
+
+    def transcribe_after(self, audio: np.ndarray, prefix: str) -> tuple[str, str | None]:
+        return self.transcribe(audio, prompt=prefix)  # the words so far: casing and punctuation go on
 
 
     def close(self) -> None:

@@ -51,6 +51,14 @@ class SileroVAD(Node):
     sounds finished (probability >= ``turn_threshold``); if not, the turn ends only when the
     user has been silent for ``max_silence_ms``. Either way ``speech_end_t`` is moved back
     to when the silence began, so latency is measured from the user's real end of speech.
+
+    Speculation (``speculate_ms`` > 0): after that much silence, before the turn is known to be
+    over, the utterance so far goes out as ``Speech(speculative=True)`` so STT and the LLM
+    start at once (once per pause). If the turn then ends at that pause, the same utterance
+    follows with ``speculative=False``: the confirmation. If the user speaks again first, the
+    turn is withdrawn: an interrupt (reason "speculation") drops its reply at every hop, and
+    the utterance goes on as a new turn, announced by ``SpeechStarted(continues=old turn)``.
+    Both outcomes are recorded in the trace (``speculation``, ``speculation_end``).
     """
 
     inputs = {"audio": AudioChunk}
@@ -69,6 +77,7 @@ class SileroVAD(Node):
         max_silence_ms: int = 3000,
         turn_threshold: float = 0.5,
         turn_threads: int = 1,
+        speculate_ms: int = 0,
     ) -> None:
         if sample_rate not in (8000, 16000):
             raise ConfigError(
@@ -112,6 +121,12 @@ class SileroVAD(Node):
                     f"vad.turn_threshold={turn_threshold} is out of range: it is the probability that "
                     "the user has finished above which the turn ends; use 0.05-0.95 (default 0.5)."
                 )
+        if speculate_ms and not speech_pad_ms <= speculate_ms < min_silence_ms:
+            raise ConfigError(
+                f"vad.speculate_ms={speculate_ms} must be 0 (off) or from vad.speech_pad_ms={speech_pad_ms} "
+                f"up to below vad.min_silence_ms={min_silence_ms}: the reply starts after that much "
+                "silence, before the turn is over (e.g. vad.speculate_ms=200 with vad.min_silence_ms=500)."
+            )
         if turn_threads < 1:
             raise ConfigError(f"vad.turn_threads={turn_threads} must be >= 1 (onnxruntime intra-op threads).")
         self.threshold = threshold
@@ -133,6 +148,8 @@ class SileroVAD(Node):
         self._pad = sample_rate * speech_pad_ms // 1000
         self._max_speech = int(sample_rate * max_speech_s)
         self._max_silence = sample_rate * max_silence_ms // 1000
+        self.speculate_ms = speculate_ms
+        self._speculate = sample_rate * speculate_ms // 1000
         self._session = None
         self._smart_turn = None
         self.turn = 0  # keeps rising across conversations: turns are unique within a run
@@ -264,12 +281,21 @@ class SileroVAD(Node):
             return
 
         if prob >= self.threshold:
+            if self._speculated:
+                yield self._withdraw()
             self._temp_end = None
             self._asked = False
             self._last_voiced = pos
         elif prob < self._neg_threshold and self._temp_end is None:
             self._temp_end = pos  # silence begins here; the hangover starts counting
-        if self._temp_end is not None and self._turn_over(end - self._temp_end):
+        over = self._temp_end is not None and self._turn_over(end - self._temp_end)
+        if (not over and self._speculate and self._temp_end is not None and not self._speculated
+                and end - self._temp_end >= self._speculate):
+            self._speculated = True
+            self.ctx.record("speculation", turn=self.turn,
+                            silence_ms=round(1000 * (end - self._temp_end) / self.sample_rate))
+            yield self._utterance(self._temp_end, t, speculative=True)
+        elif over:
             yield self._utterance(self._temp_end, t)
             self._to_idle(self._tail_windows())
         elif end - self._speech_start >= self._max_speech:
@@ -304,6 +330,17 @@ class SileroVAD(Node):
         self.ctx.record("turn_end", turn=self.turn, by=by,
                         silence_ms=round(1000 * silence / self.sample_rate), **fields)
 
+    def _withdraw(self) -> SpeechStarted:
+        """The user went on after a speculative ``Speech``: its turn's reply is dropped everywhere
+        and the utterance continues as a new turn."""
+        old = self.turn
+        self.turn = self.ctx.new_turn()
+        self._speculated = False
+        self.ctx.record("speculation_end", turn=old, outcome="wasted")
+        self.ctx.interrupt(self.turn, "speculation")
+        start = max(self._utt_start, self._speech_start - self._pad)
+        return SpeechStarted(turn=self.turn, start=start / self.sample_rate, continues=old)
+
     def _confirm(self) -> SpeechStarted:
         self._phase = _SPEECH
         self._temp_end = None
@@ -313,14 +350,19 @@ class SileroVAD(Node):
         start = max(self._utt_start, self._speech_start - self._pad)
         return SpeechStarted(turn=self.turn, start=start / self.sample_rate)
 
-    def _utterance(self, speech_end: int, t: float) -> Speech:
-        """The finished utterance; ``t`` is the time of the chunk in which the end was decided."""
+    def _utterance(self, speech_end: int, t: float, *, speculative: bool = False) -> Speech:
+        """The finished utterance (or, ``speculative``, the utterance so far at a pause); ``t`` is
+        the time of the chunk in which the end was decided."""
         pcm = np.concatenate(self._utt) if self._utt else np.zeros(0, np.float32)
         utt_end = self._utt_start + len(pcm)
         start = max(self._utt_start, self._speech_start - self._pad)
         end = min(utt_end, speech_end + self._pad)
-        self.speech_count += 1
-        self._phase = _IDLE
+        if not speculative:
+            self.speech_count += 1
+            self._phase = _IDLE
+            if self._speculated:
+                self._speculated = False
+                self.ctx.record("speculation_end", turn=self.turn, outcome="confirmed")
         chunk_end = self._next_pos if self._next_pos is not None else utt_end
         return Speech(
             turn=self.turn,
@@ -332,6 +374,7 @@ class SileroVAD(Node):
             # more, so the start of the last window that was still speech is the best estimate
             # of the true end (tests/test_metrics_speech.py: within one window of the truth).
             speech_end_t=t - (chunk_end - min(speech_end, self._last_voiced or speech_end)) / self.sample_rate,
+            speculative=speculative,
         )
 
     def _tail_windows(self) -> deque:
@@ -348,4 +391,5 @@ class SileroVAD(Node):
         self._speech_start = 0
         self._temp_end: int | None = None
         self._asked = False  # the turn detector was asked during this pause
+        self._speculated = False  # a speculative Speech went out for this pause
         self._last_voiced: int | None = None  # start of the last window that was speech

@@ -1,0 +1,171 @@
+"""STT while the user speaks: the final transcript decoded at the pauses vs the whole utterance at once.
+
+    python benchmarks/bench_stt_incremental.py [--speculate-ms 200] [--out FILE.json]
+
+Deterministic Piper speech (tests/support/speech.py) through vad=silero with speculation on
+(``vad.speculate_ms``), fed in 20 ms chunks in stream time, then stt=whisper (tiny.en) two ways
+on the very same utterances:
+
+- incremental (the engine's way, nodes/stt/_base.py): every Speech the VAD sends, speculative
+  ones included, in order; a confirmation is answered from memory and a longer utterance has
+  only its tail after the last pause decoded, with the words so far as Whisper's prompt;
+- whole: each final utterance decoded at once, as without speculation.
+
+Three sets: the 12 prompts of conf/bench/latency.yaml; the 12 hesitant requests of
+bench_turn.py spoken in two halves 400-700 ms apart; 6 passages of 3-4 sentences with
+250-450 ms between sentences (longer, multi-sentence speech). Printed per set: WER both ways
+(words lower-cased, punctuation dropped), the decode time at each pause (speculative
+messages: it runs while the VAD still waits for the turn's end) and the decode time left
+after the turn's end (the final message's), p50/p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from benchmarks.bench_turn import HESITANT  # noqa: E402
+from nodes.stt.whisper import WhisperSTT  # noqa: E402
+from nodes.vad.silero import SileroVAD  # noqa: E402
+from s2s_flow.messages import AudioChunk, Speech  # noqa: E402
+from s2s_flow.node import Context  # noqa: E402
+from tests.support.speech import synthesize  # noqa: E402
+
+RATE, CHUNK = 16000, 320
+ROOT = Path(__file__).resolve().parents[1]
+
+PASSAGES = [
+    ["I am planning a trip to Japan next spring.", "I would like to see Kyoto and Osaka.",
+     "What should I book first?"],
+    ["My laptop has become very slow.", "It takes minutes to start up.",
+     "Sometimes the fan is loud for no reason.", "What can I do about it?"],
+    ["We are having friends over for dinner on Saturday.", "One of them does not eat meat.",
+     "Can you suggest a main course that everyone will like?"],
+    ["I started running three weeks ago.", "My knees hurt a little after each run.",
+     "Should I stop for a while, or keep going slowly?"],
+    ["The weather report said it would be sunny today.", "Instead it has rained all afternoon.",
+     "How accurate are weather forecasts, really?"],
+    ["I need to write a short speech for my brother's wedding.", "He is a teacher and loves hiking.",
+     "Give me an opening line."],
+]
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
+
+
+def errors(ref: list[str], hyp: list[str]) -> int:
+    """Word edit distance."""
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1]
+
+
+def utterances(vad: SileroVAD, pcm: np.ndarray) -> list[Speech]:
+    vad.reset()
+    out: list[Speech] = []
+    for i in range(0, len(pcm), CHUNK):
+        piece = pcm[i : i + CHUNK]
+        out += [m for m in vad.process("audio", AudioChunk(pcm=piece, rate=RATE, start=i / RATE, t=i / RATE))
+                if isinstance(m, Speech)]
+    return out + [m for m in vad.finish() or [] if isinstance(m, Speech)]
+
+
+def join(parts: list[np.ndarray], pauses_ms: list[int]) -> np.ndarray:
+    out = [np.zeros(RATE // 2, np.float32)]
+    for i, p in enumerate(parts):
+        out.append(p)
+        out.append(np.zeros(RATE * (pauses_ms[i] if i < len(pauses_ms) else 2000) // 1000, np.float32))
+    return np.concatenate(out)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return round(float(np.percentile(xs, q)), 1) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--speculate-ms", type=int, default=200)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    turns = {"n": 0}
+
+    def new_turn() -> int:
+        turns["n"] += 1
+        return turns["n"]
+
+    ctx = Context("vad", Path("."), record=lambda kind, **f: None)
+    ctx.new_turn = new_turn  # type: ignore[method-assign]
+    vad = SileroVAD(speculate_ms=args.speculate_ms)
+    vad.ctx = ctx
+    vad.setup()
+    stt = WhisperSTT()
+    stt.ctx = Context("stt", Path("."))
+    stt.setup()
+
+    prompts = list(OmegaConf.load(ROOT / "conf" / "bench" / "latency.yaml").bench.prompts)
+    pauses = [400, 500, 600, 700]
+    sets = {
+        "prompts": [(t, join([synthesize(t, RATE)], [])) for t in prompts],
+        "hesitant halves": [(t.replace(",", ""), join([synthesize(p.strip(), RATE) for p in t.split(",", 1)],
+                                                      [pauses[i % 4]])) for i, t in enumerate(HESITANT)],
+        "passages": [(" ".join(p), join([synthesize(s, RATE) for s in p], [250 + 100 * (i % 3)] * (len(p) - 1)))
+                     for i, p in enumerate(PASSAGES)],
+    }
+    report = {}
+    for name, items in sets.items():
+        ref_n = err_inc = err_whole = 0
+        left_inc: list[float] = []
+        left_whole: list[float] = []
+        at_pause: list[float] = []
+        spec = 0
+        for truth, pcm in items:
+            msgs = utterances(vad, pcm)
+            spec += sum(m.speculative for m in msgs)
+            stt.reset()
+            inc, whole = [], []
+            for m in msgs:
+                t0 = time.perf_counter()
+                out = list(stt.process("audio", m))
+                dt = 1000 * (time.perf_counter() - t0)
+                if m.speculative:
+                    at_pause.append(dt)
+                else:
+                    left_inc.append(dt)
+                    inc += [t.text for t in out]
+                    t0 = time.perf_counter()
+                    text, _ = stt.transcribe(m.pcm)
+                    left_whole.append(1000 * (time.perf_counter() - t0))
+                    whole.append(text)
+            ref = words(truth)
+            ref_n += len(ref)
+            err_inc += errors(ref, words(" ".join(inc)))
+            err_whole += errors(ref, words(" ".join(whole)))
+        report[name] = {
+            "items": len(items), "words": ref_n, "speculative_messages": spec,
+            "wer_incremental_pct": round(100 * err_inc / ref_n, 2), "wer_whole_pct": round(100 * err_whole / ref_n, 2),
+            "decode_at_pause_ms": [pct(at_pause, 50), pct(at_pause, 95)],
+            "decode_after_end_incremental_ms": [pct(left_inc, 50), pct(left_inc, 95)],
+            "decode_after_end_whole_ms": [pct(left_whole, 50), pct(left_whole, 95)],
+        }
+        print(f"{name}: {report[name]}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
