@@ -119,6 +119,18 @@ def test_the_request_is_multipart_with_a_16_bit_mono_wav_and_the_model(tmp_path)
     assert (transcript.text, transcript.turn, transcript.language) == ("Hello there.", 5, "de")
 
 
+def test_the_tail_of_a_longer_utterance_is_sent_with_the_words_so_far_as_the_prompt(tmp_path):
+    """Speculation (vad.speculate_ms): the start was transcribed at a pause; only the tail goes,
+    with the API's ``prompt`` field carrying the words before it."""
+    with http_server(lambda req: Reply(200, {"text": "there."})) as server:
+        stt = make(tmp_path, base_url=f"{server.url}/v1")
+        text, _ = stt.transcribe_after(np.zeros(16000, np.float32), "Hello")
+        plain, _ = stt.transcribe(np.zeros(16000, np.float32))
+    first, second = (parse_multipart(r.headers["content-type"], r.body) for r in server.requests)
+    assert first["prompt"] == (None, b"Hello") and "prompt" not in second
+    assert text == plain == "there."
+
+
 def test_language_auto_sends_no_language_and_reports_the_servers(tmp_path):
     with http_server(lambda req: Reply(200, {"text": "Bonjour", "language": "fr"})) as server:
         stt = make(tmp_path, base_url=f"{server.url}/v1", language="auto")

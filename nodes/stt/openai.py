@@ -52,10 +52,12 @@ class OpenAISTT(UtteranceSTT):
         self.client.log = self.ctx.log
         self.client.open(warm_up=False)  # transcription servers need not list their models
 
-    def transcribe(self, audio: np.ndarray) -> tuple[str, str | None]:
+    def transcribe(self, audio: np.ndarray, prompt: str | None = None) -> tuple[str, str | None]:
         data = {"model": self.model, "response_format": "json"}
         if self.language != "auto":
             data["language"] = self.language
+        if prompt:
+            data["prompt"] = prompt  # the API's own field for the text before this audio
         files = {"file": ("speech.wav", wav_bytes(audio, self.input_rate), "audio/wav")}
         answer = self.client.post_json(
             "/audio/transcriptions", data, files=files, api="transcription endpoint",
@@ -67,6 +69,9 @@ class OpenAISTT(UtteranceSTT):
                               f"field: {str(answer)[:200]}")
         language = answer.get("language") or (None if self.language == "auto" else self.language)
         return answer["text"].strip(), language
+
+    def transcribe_after(self, audio: np.ndarray, prefix: str) -> tuple[str, str | None]:
+        return self.transcribe(audio, prompt=prefix)
 
     def close(self) -> None:
         self.client.close()
