@@ -1,7 +1,9 @@
 """Voice-to-voice latency of a stack over the benchmark corpus, and the engine's share of it.
 
-Run: python benchmarks/bench_latency.py [--repeat 3] [--out DIR] [override ...]
-     (default stack: recipe=local_cpu; e.g. add tts=espeak or stt=whisper stt.model=base.en)
+Run: python benchmarks/bench_latency.py [--repeat 3] [--bench latency] [--out DIR] [override ...]
+     (default stack: recipe=local_cpu; e.g. add tts=espeak or stt=whisper stt.model=base.en;
+     --bench hesitation plays the prompts that pause mid-sentence, vad.speculate_ms=200 starts
+     replies on a pause)
 
 1. The engine: ``s2s-run recipe=local_cpu bench=latency`` -- the 12 spoken prompts of
    conf/bench/latency.yaml played in real time; metrics.json gives voice-to-voice and the
@@ -14,6 +16,10 @@ Run: python benchmarks/bench_latency.py [--repeat 3] [--out DIR] [override ...]
 3. Engine overhead = engine voice-to-voice / sum of the stages alone - 1, paired by prompt
    and round (budget: 5 %), and the engine's own hand-over time (ring waits on the critical
    path), which is the part no stage accounts for.
+
+4. How well the engine heard: speculative replies withdrawn (the user went on), turns that
+   ended before the user had finished (false ends), and the WER of the final transcripts
+   against the prompts (s2s_flow/accuracy.py).
 
 The two alternate ``--repeat`` rounds, so both see about the same background load; the
 machine's load average is printed: on a shared machine the figures include other work.
@@ -37,6 +43,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._stats import percentile  # noqa: E402
+from s2s_flow import accuracy, corpus  # noqa: E402
 from s2s_flow.cli import plan  # noqa: E402
 from s2s_flow.compose import compose  # noqa: E402
 from s2s_flow.corpus import manifest  # noqa: E402
@@ -57,10 +65,6 @@ def load() -> str:
     """The machine's load: other work on the same cores makes every latency here meaningless."""
     one, five, _ = os.getloadavg()
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
-
-
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.array(xs, dtype=float), q)) if xs else float("nan")
 
 
 # -- 1. the engine ---------------------------------------------------------------------------
@@ -99,7 +103,7 @@ def vad_alone(vad: Any, path: Path, rate: int) -> tuple[float, Speech]:
         t = time.perf_counter()
         out = list(vad.process("audio", chunk))
         compute = time.perf_counter() - t
-        speech = next((m for m in out if isinstance(m, Speech)), None)
+        speech = next((m for m in out if isinstance(m, Speech) and not m.speculative), None)
         if speech is not None:
             return (chunk.t - speech.speech_end_t) + compute, speech
     raise RuntimeError(f"the VAD found no utterance in {path}")
@@ -224,13 +228,14 @@ def report(engine: list[dict[str, Any]], warmups: list[dict[str, Any]], drops: i
                        ("stage_tts_ms", "  TTS first audio"), ("ring_wait_ms", "  ring waits (engine)"),
                        ("llm_first_token_ms", "LLM first token (from end of speech)")):
         xs = [t[key] for t in engine if t[key] is not None]
-        print(f"{label:<38} p50 {pct(xs, 50):8.1f} ms   p95 {pct(xs, 95):8.1f} ms   max {max(xs):8.1f} ms")
+        p50, p95 = percentile(xs, 50), percentile(xs, 95)
+        print(f"{label:<38} p50 {p50:8.1f} ms   p95 {p95:8.1f} ms   max {max(xs):8.1f} ms")
     solo = [r for r in alone if not r["warmup"]]
     print("\n== the same stages alone (same prompts, same rounds) ==")
     for key, label in (("sum", "sum of stages"), ("vad", "  VAD hangover"), ("stt", "  STT"),
                        ("llm", "  LLM first sentence"), ("tts", "  TTS first audio")):
         xs = [r[key] for r in solo]
-        print(f"{label:<38} p50 {pct(xs, 50):8.1f} ms   p95 {pct(xs, 95):8.1f} ms")
+        print(f"{label:<38} p50 {percentile(xs, 50):8.1f} ms   p95 {percentile(xs, 95):8.1f} ms")
     print("\n== per prompt (medians over rounds, ms) ==")
     print(f"{'prompt':<32} {'engine v2v':>10} {'alone sum':>10} {'overhead':>9} {'rings':>6}"
           f"   engine stt/llm/tts vs alone")
@@ -245,38 +250,74 @@ def report(engine: list[dict[str, Any]], warmups: list[dict[str, Any]], drops: i
           f"(budget {BUDGET * 100:.0f} %: {'within' if ok else 'OVER'})")
     rings = [t["ring_wait_ms"] for t in engine if t["ring_wait_ms"] is not None]
     v2v = [t["voice_to_voice_ms"] for t in engine]
-    print(f"engine hand-overs on the critical path (ring waits): p50 {pct(rings, 50):.1f} ms, p95 {pct(rings, 95):.1f}"
-          f" ms; {sum(rings) / sum(v2v) * 100:.2f} % of all voice-to-voice time")
+    print(f"engine hand-overs on the critical path (ring waits): p50 {percentile(rings, 50):.1f} ms, "
+          f"p95 {percentile(rings, 95):.1f} ms; {sum(rings) / sum(v2v) * 100:.2f} % of all voice-to-voice time")
+
+
+def report_heard(rounds: list[dict[str, Any]]) -> None:
+    """Speculation, false ends and WER over the engine rounds."""
+    def total(key: str) -> int | None:
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        return sum(values) if values else None
+
+    print("\n== how the engine heard (all rounds) ==")
+    made, wasted = total("speculations"), total("speculation_wasted")
+    print(f"speculative replies: {made or 0}" + (f", {wasted} withdrawn ({100 * wasted / made:.0f} %: the user went"
+                                                 f" on; never played), {total('speculation_confirmed')} confirmed"
+                                                 if made else " (vad.speculate_ms=0)"))
+    ends, prompts, hesitant = total("false_ends"), total("prompts"), total("hesitant_prompts")
+    print(f"false ends (turns ended before the user had finished): {ends} of {prompts} prompts played"
+          + (f", {total('false_ends_hesitant')} of {hesitant} with a hesitation" if hesitant else ""))
+    errors = [(r["wer"], r["words"]) for r in rounds if r.get("wer") is not None]
+    if errors:
+        wer = sum(w * n for w, n in errors) / sum(n for _, n in errors)
+        print(f"WER of the final transcripts against the prompts: {100 * wer:.1f} %")
+    cut = sorted({c for r in rounds for c in r["cut"]})
+    for line in cut:
+        print(f"  cut off: {line}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="rounds: corpus played in the engine, then alone")
+    ap.add_argument("--bench", default="latency", help="the corpus: latency (conf/bench/latency.yaml) or hesitation")
     ap.add_argument("--out", type=Path, default=Path("outputs") / "bench_latency" / time.strftime("%Y%m%d-%H%M%S"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides after the defaults below")
     args = ap.parse_args()
     port = free_port()  # our own llama-server: never one another process is loading
-    overrides = ["recipe=local_cpu", "bench=latency", "bench.repeat=1", "llm.temperature=0",
+    overrides = ["recipe=local_cpu", f"bench={args.bench}", "bench.repeat=1", "llm.temperature=0",
                  f"llm.base_url=http://127.0.0.1:{port}/v1", "metrics.timeline=true", *args.overrides]
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         print(f"warning: the machine is busy ({load()}): the figures will include other work", file=sys.stderr)
+    cfg, _ = compose(overrides)
+    corpus_dir = corpus.corpus_dir(corpus.check(cfg.bench))
     engine: list[dict[str, Any]] = []
     warmups: list[dict[str, Any]] = []
     alone: list[dict[str, Any]] = []
+    heard: list[dict[str, Any]] = []
     drops, loads = 0, [f"before: {load()}"]
     for r in range(args.repeat):  # rounds alternate, so both sides see about the same background load
         metrics = run_engine(overrides, args.out / f"engine_{r}")
-        engine += [{**t, "round": r} for t in metrics["turns"] if not t["warmup"] and t["voice_to_voice_ms"]]
+        engine += [{**t, "round": r} for t in metrics["turns"]
+                   if not t["warmup"] and t.get("reply", True) and t["voice_to_voice_ms"]]
         warmups.append(metrics["warmup"] or {})
         drops += metrics["drops_total"]
+        score = accuracy.score_run(args.out / f"engine_{r}", corpus_dir, realtime=bool(cfg.io.realtime))
+        heard.append({**{k: metrics.get(k) for k in ("speculations", "speculation_wasted", "speculation_confirmed")},
+                      **{k: score[k] for k, _ in accuracy.FIGURES},
+                      "words": sum(d["words"] for d in score["conversations"]),
+                      "cut": [f"{d['conversation']}: {d['prompt']}" for d in score["conversations"]
+                              if d["cut_off_turns"]]})
         loads.append(f"round {r}, after the engine: {load()}")
         for prompt, rows in run_alone(overrides, args.out / f"alone_{r}", 1).items():
             alone += [{**row, "prompt": prompt, "round": r} for row in rows]
         loads.append(f"round {r}, after the stages alone: {load()}")
     cmp = compare(engine, alone)
     (args.out / "bench_latency.json").write_text(json.dumps(
-        {"overrides": overrides, "engine": engine, "alone": alone, "comparison": cmp, "load": loads}, indent=1))
+        {"overrides": overrides, "engine": engine, "alone": alone, "comparison": cmp, "heard": heard, "load": loads},
+        indent=1))
     report(engine, warmups, drops, alone, cmp)
+    report_heard(heard)
     print("\n" + "\n".join(loads))
     print(f"\nresults: {args.out} (engine_*/metrics.json and timeline.png, bench_latency.json)")
 

@@ -12,9 +12,9 @@ on the very same utterances:
 - whole: each final utterance decoded at once, as without speculation.
 
 Three sets: the 12 prompts of conf/bench/latency.yaml; the 12 hesitant requests of
-bench_turn.py spoken in two halves 400-700 ms apart; 6 passages of 3-4 sentences with
-250-450 ms between sentences (longer, multi-sentence speech). Printed per set: WER both ways
-(words lower-cased, punctuation dropped), the decode time at each pause (speculative
+bench=hesitation (conf/bench/hesitation.yaml) spoken in two halves 400-700 ms apart; 6 passages of 3-4 sentences with
+250-450 ms between sentences (longer, multi-sentence speech). Printed per set: WER both ways (scored as
+s2s_flow/accuracy.py does: case, punctuation, small numbers), the decode time at each pause (speculative
 messages: it runs while the VAD still waits for the turn's end) and the decode time left
 after the turn's end (the final message's), p50/p95.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -34,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from benchmarks.bench_turn import HESITANT  # noqa: E402
+from benchmarks._stats import percentile  # noqa: E402
+from benchmarks.bench_turn import hesitant_prompts  # noqa: E402
 from nodes.stt.whisper import WhisperSTT  # noqa: E402
 from nodes.vad.silero import SileroVAD  # noqa: E402
+from s2s_flow.accuracy import word_errors  # noqa: E402
 from s2s_flow.messages import AudioChunk, Speech  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
 from tests.support.speech import synthesize  # noqa: E402
@@ -60,20 +61,6 @@ PASSAGES = [
 ]
 
 
-def words(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
-
-
-def errors(ref: list[str], hyp: list[str]) -> int:
-    """Word edit distance."""
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1]
-
-
 def utterances(vad: SileroVAD, pcm: np.ndarray) -> list[Speech]:
     vad.reset()
     out: list[Speech] = []
@@ -93,7 +80,7 @@ def join(parts: list[np.ndarray], pauses_ms: list[int]) -> np.ndarray:
 
 
 def pct(xs: list[float], q: float) -> float:
-    return round(float(np.percentile(xs, q)), 1) if xs else float("nan")
+    return round(percentile(xs, q), 1)
 
 
 def main() -> None:
@@ -118,11 +105,10 @@ def main() -> None:
     stt.setup()
 
     prompts = list(OmegaConf.load(ROOT / "conf" / "bench" / "latency.yaml").bench.prompts)
-    pauses = [400, 500, 600, 700]
     sets = {
         "prompts": [(t, join([synthesize(t, RATE)], [])) for t in prompts],
         "hesitant halves": [(t.replace(",", ""), join([synthesize(p.strip(), RATE) for p in t.split(",", 1)],
-                                                      [pauses[i % 4]])) for i, t in enumerate(HESITANT)],
+                                                      [pause])) for t, pause in hesitant_prompts()],
         "passages": [(" ".join(p), join([synthesize(s, RATE) for s in p], [250 + 100 * (i % 3)] * (len(p) - 1)))
                      for i, p in enumerate(PASSAGES)],
     }
@@ -151,10 +137,9 @@ def main() -> None:
                     text, _ = stt.transcribe(m.pcm)
                     left_whole.append(1000 * (time.perf_counter() - t0))
                     whole.append(text)
-            ref = words(truth)
-            ref_n += len(ref)
-            err_inc += errors(ref, words(" ".join(inc)))
-            err_whole += errors(ref, words(" ".join(whole)))
+            e_inc, n = word_errors(truth, " ".join(inc))
+            e_whole, _ = word_errors(truth, " ".join(whole))
+            ref_n, err_inc, err_whole = ref_n + n, err_inc + e_inc, err_whole + e_whole
         report[name] = {
             "items": len(items), "words": ref_n, "speculative_messages": spec,
             "wer_incremental_pct": round(100 * err_inc / ref_n, 2), "wer_whole_pct": round(100 * err_whole / ref_n, 2),

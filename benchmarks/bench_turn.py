@@ -9,12 +9,13 @@ in stream time (no engine, no wall clock in the decisions), for each setting bel
   The delay from the true end of speech to the turn's end (p50/p95, audio waited for plus
   the detector's compute), how many waited for the max_silence fallback ("late"), and how
   many were cut in two ("false end").
-- hesitant: 12 requests with a mid-sentence hesitation of 400-700 ms, made two ways, since
-  Piper cannot hesitate: "comma": Piper speaks a comma there and that pause is stretched to
-  the length asked for (a phrase boundary: Piper's prosody falls as at a sentence end);
-  "halves": the two halves spoken separately, joined by the pause (the first half ends
-  with a fall too, but on words that cannot end a sentence). "false end": the turn ended
-  at the pause and the user was cut off.
+- hesitant: the 12 requests of conf/bench/hesitation.yaml, with a mid-sentence hesitation of
+  400-700 ms (its ``[N ms]`` mark; --pauses gives other lengths), made two ways, since Piper
+  cannot hesitate: "comma": Piper speaks a comma there and that pause is stretched to the
+  length asked for (a phrase boundary: Piper's prosody falls as at a sentence end; the
+  corpus of bench=hesitation is made so, by nodes/tts/hesitant.py); "halves": the two halves
+  spoken separately, joined by the pause (the first half ends with a fall too, but on words
+  that cannot end a sentence). "false end": the turn ended at the pause and the user was cut off.
 
 The fixed-silence setting of today (vad.turn=silence, 500 ms) is the reference: a detector
 must not cut off more hesitant users than it does.
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support fo
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from benchmarks._stats import percentile  # noqa: E402
+from nodes.tts.hesitant import pause_of, stretch_pause  # noqa: E402
 from nodes.vad.silero import SileroVAD  # noqa: E402
 from s2s_flow.messages import AudioChunk, Speech  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
@@ -52,47 +55,15 @@ SETTINGS = {
     "smart_turn 200 ms, max 3000": {"turn": "smart_turn", "min_silence_ms": 200, "max_silence_ms": 3000},
 }
 
-#: the comma marks where the speaker hesitates: Piper pauses there with rising, unfinished prosody
-HESITANT = [
-    "I would like to know, what the weather is like in Paris tomorrow.",
-    "Can you tell me about, the history of the Roman empire?",
-    "Set a timer for, twenty minutes please.",
-    "Please play some, relaxing music in the living room.",
-    "What is the difference between, a virus and a bacterium?",
-    "How long does it take to fly from, London to New York?",
-    "Remind me to call, my sister at seven tonight.",
-    "Turn off the lights in the, kitchen and the hallway.",
-    "Who wrote the novel, Pride and Prejudice?",
-    "Add eggs and milk to my, shopping list.",
-    "Tell me a short story about, a dragon who learns to cook.",
-    "Is it going to rain this, weekend in Seattle?",
-]
-
-
-def _quiet_runs(pcm: np.ndarray, frame: int = 160) -> list[tuple[int, int]]:
-    """(start, length) in samples of stretches 20 dB below the loudest 10 ms frame."""
-    n = len(pcm) // frame
-    energy = np.sqrt(np.mean(pcm[: n * frame].reshape(n, frame) ** 2, axis=1))
-    quiet = energy < 0.1 * energy.max()
-    runs, start = [], None
-    for i, q in enumerate(list(quiet) + [False]):
-        if q and start is None:
-            start = i
-        elif not q and start is not None:
-            runs.append((start * frame, (i - start) * frame))
-            start = None
-    return runs
+def hesitant_prompts() -> list[tuple[str, int]]:
+    """The hesitant requests of bench=hesitation: (the sentence, its pause in ms)."""
+    prompts = OmegaConf.load(ROOT / "conf" / "bench" / "hesitation.yaml").bench.prompts
+    return [(text, pause) for text, pause in map(pause_of, prompts) if pause is not None]
 
 
 def hesitant(text: str, pause_ms: int) -> tuple[np.ndarray, float]:
     """The sentence with its comma pause stretched to ``pause_ms``; and where the pause ends (s)."""
-    pcm = synthesize(text, RATE)
-    inner = [r for r in _quiet_runs(pcm) if 0.15 * len(pcm) < r[0] < 0.85 * len(pcm)]
-    start, length = max(inner, key=lambda r: r[1])  # the comma: the longest pause inside
-    extra = max(0, RATE * pause_ms // 1000 - length)
-    middle = start + length // 2
-    out = np.concatenate([pcm[:middle], np.zeros(extra, np.float32), pcm[middle:]])
-    return out, (start + length + extra) / RATE
+    return stretch_pause(synthesize(text, RATE), RATE, pause_ms)
 
 
 def halves(text: str, pause_ms: int) -> tuple[np.ndarray, float]:
@@ -111,20 +82,16 @@ def turns(vad: SileroVAD, pcm: np.ndarray) -> list[tuple[Speech, float]]:
         end = (i + len(piece)) / RATE
         t0 = time.perf_counter()
         made = [m for m in vad.process("audio", AudioChunk(pcm=piece, rate=RATE, start=i / RATE, t=end))
-                if isinstance(m, Speech)]
+                if isinstance(m, Speech) and not m.speculative]  # a speculation is no turn until confirmed
         out += [(m, end + time.perf_counter() - t0) for m in made]
-    out += [(m, len(pcm) / RATE) for m in vad.finish() or [] if isinstance(m, Speech)]
+    out += [(m, len(pcm) / RATE) for m in vad.finish() or [] if isinstance(m, Speech) and not m.speculative]
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else float("nan")
-
-
-def run_setting(params: dict, prompts: list[str], pauses: list[int]) -> dict:
+def run_setting(params: dict, prompts: list[str], hesitations: list[tuple[str, int]]) -> dict:
     events: list[dict] = []
     vad = SileroVAD(**params)
-    vad.ctx = Context("vad", Path("."), record=lambda kind, **f: events.append(f))
+    vad.ctx = Context("vad", Path("."), record=lambda kind, **f: events.append({"kind": kind, **f}))
     vad.setup()
     silence = np.zeros(int(LEAD_S * RATE), np.float32), np.zeros(int(TAIL_S * RATE), np.float32)
 
@@ -135,19 +102,19 @@ def run_setting(params: dict, prompts: list[str], pauses: list[int]) -> dict:
         false_finished += len(got) > 1
         if got:
             delays.append(1000 * (got[-1][1] - (LEAD_S + len(speech) / RATE)))
-    late = sum(e["by"] == "max_silence" for e in events)
+    late = sum(e["kind"] == "turn_end" and e["by"] == "max_silence" for e in events)
 
     cut: dict[str, list[str]] = {"comma": [], "halves": []}
-    for i, text in enumerate(HESITANT):
-        pause_ms = pauses[i % len(pauses)]
+    for text, pause_ms in hesitations:
         for kind, make in (("comma", hesitant), ("halves", halves)):
             pcm, pause_end = make(text, pause_ms)
             got = turns(vad, np.concatenate([silence[0], pcm, silence[1]]))
             if any(s.end < LEAD_S + pause_end for s, _ in got):
                 cut[kind].append(f"{text!r} ({pause_ms} ms)")
     return {
-        "finished": len(prompts), "end_delay_p50_ms": round(median(delays)), "end_delay_p95_ms": round(pct(delays, 95)),
-        "late": late, "false_end_finished": false_finished, "hesitant": len(HESITANT),
+        "finished": len(prompts), "end_delay_p50_ms": round(median(delays)),
+        "end_delay_p95_ms": round(percentile(delays, 95)),
+        "late": late, "false_end_finished": false_finished, "hesitant": len(hesitations),
         "false_end_comma": len(cut["comma"]), "false_end_halves": len(cut["halves"]), "cut": cut,
     }
 
@@ -155,12 +122,16 @@ def run_setting(params: dict, prompts: list[str], pauses: list[int]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
-    ap.add_argument("--pauses", default="400,500,600,700", help="hesitation lengths (ms), cycled over the 12")
+    ap.add_argument("--pauses", help="hesitation lengths (ms), cycled over the 12 (default: each prompt's own, "
+                                      "400-700 as in conf/bench/hesitation.yaml)")
     args = ap.parse_args()
     prompts = list(OmegaConf.load(ROOT / "conf" / "bench" / "latency.yaml").bench.prompts)
-    pauses = [int(p) for p in args.pauses.split(",")]
+    hesitations = hesitant_prompts()
+    if args.pauses:
+        pauses = [int(p) for p in args.pauses.split(",")]
+        hesitations = [(text, pauses[i % len(pauses)]) for i, (text, _) in enumerate(hesitations)]
 
-    results = {name: run_setting(params, prompts, pauses) for name, params in SETTINGS.items()}
+    results = {name: run_setting(params, prompts, hesitations) for name, params in SETTINGS.items()}
     print("turn end after the true end of speech (ms), turns left to the fallback (late), turns cut short")
     print(f"{'setting':30s} {'end p50':>7s} {'p95':>5s} {'late':>5s} {'cut: finished':>14s} "
           f"{'hesitant comma':>15s} {'halves':>7s}")

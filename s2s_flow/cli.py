@@ -168,9 +168,28 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     metrics.write(report, run_dir, timeline=bool(OmegaConf.select(cfg, "metrics.timeline", default=False)))
     metrics.show(report, console)
     result: dict[str, Any] = {"turns": len(trace.turns()), "run_dir": str(run_dir), **metrics.figures(report)}
+    result.update(_heard(cfg, run_dir, console))
     if server is not None:
         result["server"] = server.info()  # url, started (False: an already running one was used)
     return result
+
+
+def _heard(cfg: DictConfig, run_dir: Path, console: Any) -> dict[str, Any]:
+    """A run that played a corpus (bench=latency, bench=hesitation): how well it heard the user,
+    written to accuracy.json and shown. A scoring failure is a warning: the latency figures stand."""
+    from s2s_flow import accuracy
+
+    try:
+        heard = accuracy.for_job(cfg, run_dir)
+    except Exception as exc:  # noqa: BLE001 -- shown, never hidden
+        log.warning("not scored against the corpus: %s: %s", type(exc).__name__, exc)
+        return {}
+    if not heard:
+        return {}
+    ends = "n/a (io.realtime=false)" if heard["false_ends"] is None else f"{heard['false_ends']}/{heard['prompts']}"
+    wer = "n/a" if heard["wer"] is None else f"{heard['wer'] * 100:.1f} %"
+    console.print(f"against the corpus: WER {wer}, turns ended before the user had finished {ends} (accuracy.json)")
+    return {key: heard[key] for key, _ in accuracy.FIGURES}
 
 
 def _hydra_entry() -> None:

@@ -11,6 +11,13 @@ The critical path of a turn is cut into stage time (a node between receiving its
 and emitting its output) and ring time (from a message's creation to its pickup
 downstream); the two add up exactly to voice-to-voice.
 
+Speculation (``vad.speculate_ms``): the VAD sends the utterance at an early pause and records
+``speculation``; the turn is then confirmed (the VAD sends it again) or withdrawn because the
+user went on (``speculation_end``, outcome ``confirmed`` / ``wasted``). A speculated turn's
+critical path starts at the speculation, and a gate (a node that passes the reply's messages
+on unchanged, nodes/vad/gate.py) holds the reply until the confirmation: that hold is a part
+of its own. A withdrawn turn is no reply: it is counted, never measured.
+
     report = metrics.report(trace, scheduler.ring_stats, graph)
     metrics.write(report, run_dir)          # metrics.json (+ timeline.png on request)
     metrics.show(report, console)           # a rich table
@@ -42,9 +49,15 @@ _ROLES: tuple[tuple[str, type, str], ...] = (
     ("tts", AudioOut, "audio"),
 )
 
+#: The path after the VAD: (role, the mark its critical output carries). Its input is the
+#: previous role's output. A gate takes the TTS's audio and passes it on when the turn is confirmed.
+_PATH: tuple[tuple[str, str], ...] = (("stt", "transcript_final"), ("llm", "sentence"), ("tts", "audio"),
+                                      ("gate", "audio"))
+
 #: Cumulative milestones, ms after the true end of speech: (key, label).
 MILESTONES: tuple[tuple[str, str], ...] = (
     ("vad_ms", "end of turn detected (VAD)"),
+    ("turn_confirmed_ms", "turn confirmed (VAD)"),
     ("stt_ms", "STT final transcript"),
     ("llm_first_token_ms", "LLM first token"),
     ("llm_first_sentence_ms", "LLM first sentence"),
@@ -58,6 +71,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("stage_stt_ms", "STT"),
     ("stage_llm_ms", "LLM to first sentence"),
     ("stage_tts_ms", "TTS to first audio"),
+    ("stage_gate_ms", "held until the turn is confirmed"),
     ("ring_wait_ms", "ring wait on the critical path"),
 )
 
@@ -87,24 +101,29 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
     nodes: dict[str, dict[str, dict[str, Any]]] = data.get("nodes", {})
     roles = _roles_from_graph(graph) if graph is not None else _roles_from_marks(nodes)
     chain = list(getattr(graph, "chain", None) or nodes)
-    interrupts = [e for e in data.get("events", []) if e.get("kind") == "interrupt"]
-    tool_calls = [e for e in data.get("events", []) if e.get("kind") == "tool_call"]
+    events = data.get("events", [])
+    interrupts = [e for e in events if e.get("kind") == "interrupt"]
+    tool_calls = [e for e in events if e.get("kind") == "tool_call"]
     conversations = data.get("conversations", {})
+    speculations = _speculations(events)
 
     turn_ids = sorted({int(t) for table in nodes.values() for t in table if int(t) > 0})
-    turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), "")) for t in turn_ids]
+    turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), ""), speculations.get(t))
+             for t in turn_ids]
     for row in turns:
         _tool_time(row, [e for e in tool_calls if e.get("turn") == row["turn"]])
     # what ended each turn, where a turn detector says (vad.turn=smart_turn: the model, or the fallback)
-    turn_ends = {e.get("turn"): e for e in data.get("events", []) if e.get("kind") == "turn_end"}
+    turn_ends = {e.get("turn"): e for e in events if e.get("kind") == "turn_end"}
     for row in turns:
         if row["turn"] in turn_ends:
             row["turn_end"] = turn_ends[row["turn"]].get("by")
-    warmup = turns[0] if turns else None
+    replies = [row for row in turns if row["reply"]]  # a withdrawn speculation was never a reply
+    warmup = replies[0] if replies else None
     if warmup is not None:
         warmup["warmup"] = True
-    measured = turns[1:] if len(turns) > 1 else turns
+    measured = replies[1:] if len(replies) > 1 else replies
 
+    outcomes = [s["outcome"] for s in speculations.values()]
     drops = {edge: int(s.get("drops", 0)) for edge, s in ring_stats.items() if s.get("drops")}
     return {
         "schema": SCHEMA,
@@ -112,40 +131,71 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
         "roles": roles,
         "turns": turns,
         "warmup_turn": warmup["turn"] if warmup else None,
-        "warmup_excluded": len(turns) > 1,
+        "warmup_excluded": len(replies) > 1,
         "measured_turns": len(measured),
         "summary": {key: _stats([t.get(key) for t in measured]) for key in _STATS_KEYS},
         "warmup": {key: warmup.get(key) for key in _STATS_KEYS} if warmup else None,
+        "speculations": len(speculations),
+        "speculation_confirmed": outcomes.count("confirmed"),
+        "speculation_wasted": outcomes.count("wasted"),
+        # when each conversation's audio began: turn times minus these are times in its stream
+        "sessions": {e["conversation"]: e["t"] for e in events if e.get("kind") == "session"},
         "rings": {edge: dict(s) for edge, s in ring_stats.items()},
         "drops": drops,
         "drops_total": sum(drops.values()),
     }
 
 
+def _speculations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per speculated turn: when the VAD sent it early, and how it ended (None: the run stopped first)."""
+    found: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.get("kind") == "speculation":
+            found.setdefault(int(e["turn"]), {"t": e["t"], "outcome": None})
+    for e in events:
+        if e.get("kind") == "speculation_end" and int(e["turn"]) in found:
+            found[int(e["turn"])]["outcome"] = e.get("outcome")
+    return found
+
+
+def _relay(cls: type) -> bool:
+    """A node that emits only types it also takes passes messages on; it makes none (a gate)."""
+    outs, ins = cls.outputs.values(), cls.inputs.values()
+    return bool(outs) and all(any(issubclass(o, i) for i in ins) for o in outs)
+
+
 def _roles_from_graph(graph: Any) -> dict[str, list[str]]:
+    """Each stage is the node whose class emits its type; relays (the gate) pass them on and are
+    their own role, not the stage that made the messages."""
+    relays = [name for name, spec in graph.nodes.items() if _relay(spec.cls)]
     roles: dict[str, list[str]] = {}
     for role, typ, _ in _ROLES:
-        roles[role] = [name for name, spec in graph.nodes.items()
-                       if any(issubclass(t, typ) for t in spec.cls.outputs.values())]
+        roles[role] = [name for name, spec in graph.nodes.items() if name not in relays
+                       and any(issubclass(t, typ) for t in spec.cls.outputs.values())]
+    roles["gate"] = [n for n in relays if any(issubclass(t, AudioOut) for t in graph.nodes[n].cls.outputs.values())]
     roles["sink"] = [name for name, spec in graph.nodes.items() if spec.cls.inputs and not spec.cls.outputs]
     return roles
 
 
 def _roles_from_marks(nodes: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
-    """Without the graph: a stage is the node that emitted its marks; a sink emitted nothing."""
-    def has(name: str, pred: Any) -> bool:
-        return any(pred(rec) for rec in nodes[name].values())
+    """Without the graph: a stage is the node that emitted its marks; a sink emitted nothing; a
+    relay (the gate) emitted only marks it had also received."""
+    def marks(name: str, way: str) -> set[str]:
+        return {m.removeprefix(way) for rec in nodes[name].values() for m in rec["marks"] if m.startswith(way)}
 
-    outs = {"vad": ("out:speech_end",), "stt": ("out:transcript_final",),
-            "llm": ("out:token", "out:sentence"), "tts": ("out:audio",)}
-    roles = {role: [n for n in nodes if has(n, lambda r, ks=keys: any(k in r["marks"] for k in ks))]
+    relays = [n for n in nodes if marks(n, "out:") and marks(n, "out:") <= marks(n, "in:")]
+    outs = {"vad": ("speech_end",), "stt": ("transcript_final",), "llm": ("token", "sentence"), "tts": ("audio",)}
+    roles = {role: [n for n in nodes if n not in relays and marks(n, "out:") & set(keys)]
              for role, keys in outs.items()}
-    roles["sink"] = [n for n in nodes if has(n, lambda r: r["n_in"]) and not has(n, lambda r: r["n_out"])]
+    roles["gate"] = [n for n in relays if "audio" in marks(n, "out:")]
+    roles["sink"] = [n for n in nodes if any(r["n_in"] for r in nodes[n].values())
+                     and not any(r["n_out"] for r in nodes[n].values())]
     return roles
 
 
 def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]], chain: list[str],
-          turn: int, interrupts: list[dict[str, Any]], conversation: str) -> dict[str, Any]:
+          turn: int, interrupts: list[dict[str, Any]], conversation: str,
+          speculation: Mapping[str, Any] | None = None) -> dict[str, Any]:
     key = str(turn)
     recs = {name: table[key] for name, table in nodes.items() if key in table}
 
@@ -158,15 +208,20 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
         return first(role, name)[1]
 
     end = mark("vad", "out:speech_end")
+    outcome = speculation["outcome"] if speculation else None
     row: dict[str, Any] = {"turn": turn, "conversation": conversation, "warmup": False,
-                           "speech_end_s": end}
-    # When the VAD let go of the utterance: its emit time, not the (back-dated) mark.
+                           "reply": outcome != "wasted", "speculated": speculation is not None,
+                           "speculation": outcome, "speech_end_s": end}
+    # When the VAD let go of the utterance: its emit time, not the (back-dated) mark. Its last
+    # emission is the confirmation; a speculated turn's reply started at the speculation.
     vad_emit = min((recs[n]["last_out"] for n in roles.get("vad", ())
                     if n in recs and "out:speech_end" in recs[n]["marks"] and recs[n]["last_out"] is not None),
                    default=end)
+    released = speculation["t"] if speculation else vad_emit
     token = [t for t in (mark("llm", "out:token"), mark("llm", "out:sentence")) if t is not None]
     at = {
-        "vad_ms": vad_emit,
+        "vad_ms": released,
+        "turn_confirmed_ms": vad_emit if row["reply"] else None,
         "stt_ms": mark("stt", "out:transcript_final"),
         "llm_first_token_ms": min(token) if token else None,
         "llm_first_sentence_ms": mark("llm", "out:sentence"),
@@ -178,15 +233,17 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
 
     # The critical path: stage, ring, stage, ring ... each piece from its own two marks.
     segments: list[tuple[str, float, float]] = []
-    if end is not None and vad_emit is not None:
-        segments.append(("vad", end, vad_emit))
-        prev_mark, prev_t = "speech_end", vad_emit
-        for role, _, out_mark in _ROLES[1:]:
+    if end is not None and released is not None:
+        segments.append(("vad", end, released))
+        prev_mark, prev_t = "speech_end", released
+        for role, out_mark in _PATH:
             if not roles.get(role):
-                continue  # the stage is not in this graph (stt=none)
+                continue  # the stage is not in this graph (stt=none, no gate)
             # in and out of the same node: a side node (a partial transcriber) may also take the input
             node, t_out = first(role, "out:" + out_mark)
             t_in = recs[node]["marks"].get("in:" + prev_mark) if node else None
+            if role == "gate" and t_in is not None:
+                t_out = _released(recs[node], t_in, t_out, vad_emit)
             if t_in is None or t_out is None:
                 prev_mark = ""
                 break
@@ -195,7 +252,7 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
         t_sink = mark("sink", "in:" + prev_mark) if prev_mark else None
         if t_sink is not None:
             segments.append(("ring", prev_t, t_sink))
-    for role in ("vad", "stt", "llm", "tts"):
+    for role in ("vad", "stt", "llm", "tts", "gate"):
         row[f"stage_{role}_ms"] = next((_ms(b, a) for r, a, b in segments if r == role), None)
     rings = [b - a for r, a, b in segments if r == "ring"]
     row["ring_wait_ms"] = _ms(sum(rings), 0.0) if rings and row["voice_to_voice_ms"] is not None else None
@@ -205,6 +262,13 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
     done = max((r["last_out"] or r["last_in"] or 0.0 for r in recs.values()), default=0.0)
     row["interrupted"] = any(e.get("turn", 0) > turn and e["t"] < done for e in interrupts)
     return row
+
+
+def _released(rec: Mapping[str, Any], t_in: float, t_out: float | None, confirmed: float | None) -> float:
+    """When a gate let the turn's first audio go. It passes messages on as they are, so their
+    marks keep the time TTS made them; it lets go once the audio is in and the turn confirmed,
+    and all it held goes out together: its first emission of the turn, if later than both."""
+    return max(t for t in (t_in, rec.get("first_out"), t_out, confirmed) if t is not None)
 
 
 def _tool_time(row: dict[str, Any], calls: list[dict[str, Any]]) -> None:
@@ -254,6 +318,8 @@ def figures(rep: Mapping[str, Any]) -> dict[str, Any]:
         out[f"{name}_p50_ms"], out[f"{name}_p95_ms"] = s["p50"], s["p95"]
     out["voice_to_voice_max_ms"] = rep["summary"]["voice_to_voice_ms"]["max"]
     out["warmup_voice_to_voice_ms"] = (rep["warmup"] or {}).get("voice_to_voice_ms")
+    for key in ("speculations", "speculation_confirmed", "speculation_wasted"):
+        out[key] = rep.get(key, 0)
     return out
 
 
@@ -278,17 +344,25 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
     from rich.table import Table
 
     turns = rep["turns"]
-    if not turns:
+    replies = [t for t in turns if t.get("reply", True)]
+    if not replies:
         return
     title = "latency (ms after the user's true end of speech)"
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("", no_wrap=True)
-    rows = [*MILESTONES, *STAGES, *(TOOLS if any(t.get("tool_calls") for t in turns) else ())]
-    sections = (len(MILESTONES) - 1, len(MILESTONES) + len(STAGES) - 1)
-    if len(turns) == 1:
-        table.add_column(f"turn {turns[0]['turn']}", justify="right")
+    hidden = set()  # rows only a speculating run fills
+    if not any(t.get("speculated") for t in turns):
+        hidden.add("turn_confirmed_ms")
+    if not rep["roles"].get("gate"):
+        hidden.add("stage_gate_ms")
+    shown = [[(k, label) for k, label in part if k not in hidden]
+             for part in (MILESTONES, STAGES, TOOLS if any(t.get("tool_calls") for t in turns) else ())]
+    rows = [row for part in shown for row in part]
+    sections = (len(shown[0]) - 1, len(shown[0]) + len(shown[1]) - 1)
+    if len(replies) == 1:
+        table.add_column(f"turn {replies[0]['turn']}", justify="right")
         for i, (key, label) in enumerate(rows):
-            table.add_row(label, _fmt(turns[0].get(key)), end_section=i in sections)
+            table.add_row(label, _fmt(replies[0].get(key)), end_section=i in sections)
     else:
         table.add_column(f"warm-up (turn {rep['warmup_turn']})", justify="right", style="dim")
         for col in ("p50", "p95", "max"):
@@ -296,18 +370,21 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
         table.add_column("n", justify="right", style="dim")
         for i, (key, label) in enumerate(rows):
             s = rep["summary"][key]
-            table.add_row(label, _fmt(rep["warmup"].get(key)), _fmt(s["p50"]), _fmt(s["p95"]), _fmt(s["max"]),
-                          str(s["n"]), end_section=i in sections)
-    n = len(turns)
+            table.add_row(label, _fmt((rep["warmup"] or {}).get(key)), _fmt(s["p50"]), _fmt(s["p95"]),
+                          _fmt(s["max"]), str(s["n"]), end_section=i in sections)
+    n = len(replies)
     notes = [f"{n} turn{'s' * (n != 1)}"]
     if rep["warmup_excluded"]:
         notes.append(f"warm-up turn {rep['warmup_turn']} not in the statistics")
-    interrupted = sum(t["interrupted"] for t in turns)
+    interrupted = sum(t["interrupted"] for t in replies)
     if interrupted:
         notes.append(f"{interrupted} interrupted")
-    missing = sum(t["voice_to_voice_ms"] is None for t in turns)
+    missing = sum(t["voice_to_voice_ms"] is None for t in replies)
     if missing:
         notes.append(f"{missing} without reply audio")
+    if rep.get("speculations"):
+        notes.append(f"{rep['speculations']} speculative replies: {rep['speculation_confirmed']} confirmed, "
+                     f"{rep['speculation_wasted']} withdrawn (the user went on; never played)")
     drops = rep["drops"]
     notes.append("drops: " + (", ".join(f"{e} {d}" for e, d in drops.items()) if drops else "none"))
     waited = rep["summary"].get("ring_wait_ms", {}).get("p50")
@@ -325,7 +402,8 @@ def _fmt(v: float | None) -> str:
 
 #: the parts of the critical path in the charts (timeline.png, sweep.png): part -> (label, colour)
 PARTS = {"vad": ("VAD hangover", "#9ecae1"), "stt": ("STT", "#3182bd"), "llm": ("LLM to first sentence", "#e6550d"),
-         "tts": ("TTS to first audio", "#31a354"), "ring": ("rings", "#bdbdbd")}
+         "tts": ("TTS to first audio", "#31a354"), "gate": ("held until confirmed", "#fdd0a2"),
+         "ring": ("rings", "#bdbdbd")}
 
 
 def plot_timeline(rep: Mapping[str, Any], path: Path | str) -> Path:
@@ -349,8 +427,9 @@ def plot_timeline(rep: Mapping[str, Any], path: Path | str) -> Path:
                     label=None if "token" in seen else "LLM first token")
             seen.add("token")
     ax.set_yticks(range(len(turns)))
-    ax.set_yticklabels([f"{t['turn']}{' (warm-up)' if t['warmup'] else ''} {t['conversation']}".strip()
-                        for t in turns], fontsize=8)
+    notes = {True: "", False: " (withdrawn)"}
+    ax.set_yticklabels([f"{t['turn']}{' (warm-up)' if t['warmup'] else ''}{notes[t.get('reply', True)]} "
+                        f"{t['conversation']}".strip() for t in turns], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms after the user's true end of speech")
     ax.set_title("critical path per turn: end of speech -> first audio at the sink", fontsize=10)

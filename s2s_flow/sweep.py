@@ -7,6 +7,9 @@ process or one that had run jobs before, the hardware, package versions and the 
 server it used -- and gathers all jobs into ``sweep.csv``, ``sweep.md`` and ``sweep.png``
 in the sweep dir. A failed job is a row with its error; the other rows are kept, and
 s2s-run then exits 1. Ctrl-C or SIGTERM ends the sweep after the row of the job it stopped.
+A job that played the benchmark corpus (bench=latency, bench=hesitation) is also scored
+against it: turns that ended before the user had finished, and the WER of what STT heard
+(s2s_flow/accuracy.py); withdrawn speculative replies come with the latency figures.
 
 Rebuild the summary of a sweep dir (e.g. after a crash): ``python -m s2s_flow.sweep DIR``
 """
@@ -49,7 +52,7 @@ PACKAGES = ("s2s-flow", "hydra-core", "omegaconf", "numpy", "onnxruntime", "sile
 #: Columns of the per-stage figures, in table order: (job.json key, column title).
 STAGE_COLUMNS = (("voice_to_voice", "voice-to-voice"), ("stage_vad", "VAD"), ("stage_stt", "STT"),
                  ("stage_llm", "LLM 1st sentence"), ("stage_tts", "TTS 1st audio"),
-                 ("ring_wait", "rings"))
+                 ("stage_gate", "held"), ("ring_wait", "rings"))
 
 _jobs_in_process = 0  # jobs started in this process: more than one means a reused process
 
@@ -173,6 +176,8 @@ def job_info(config: Any, job_return: Any,
         result = dict(value) if isinstance(value, Mapping) else {}
         error = str(result.get("error") or "")
     server = result.pop("server", None)
+    if not error and not result.get("dry_run"):
+        result.update(_accuracy(config))
     launcher = str(config.hydra.launcher.get("_target_", ""))
     t0, rss0, leftovers = started or (None, None, {})
     return {
@@ -196,6 +201,20 @@ def job_info(config: Any, job_return: Any,
         "hardware": hardware(),
         "versions": versions(),
     }
+
+
+def _accuracy(config: Any) -> dict[str, Any]:
+    """The job's score against the corpus it played (none: no corpus). A scoring failure is
+    the row's note, not the job's: its latency figures stand."""
+    from s2s_flow import accuracy
+
+    try:
+        result = accuracy.for_job(config, config.hydra.runtime.output_dir)
+    except Exception as exc:  # noqa: BLE001 -- shown in the row and on stderr, never hidden
+        print(f"sweep: job {config.hydra.job.num}: not scored against its corpus: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return {"accuracy_error": f"{type(exc).__name__}: {exc}"}
+    return {key: result[key] for key, _ in accuracy.FIGURES} if result else {}
 
 
 def _launcher_name(target: str, launcher: Any) -> str:
@@ -313,9 +332,12 @@ def _row(info: Mapping[str, Any]) -> dict[str, Any]:
         row[f"{key}_p50_ms"], row[f"{key}_p95_ms"] = fig.get(f"{key}_p50_ms"), fig.get(f"{key}_p95_ms")
     row["voice_to_voice_max_ms"] = fig.get("voice_to_voice_max_ms")
     row["warmup_voice_to_voice_ms"] = fig.get("warmup_voice_to_voice_ms")
-    for key in ("stt", "llm_first_token", "llm_first_sentence", "tts_first_audio"):
+    for key in ("turn_confirmed", "stt", "llm_first_token", "llm_first_sentence", "tts_first_audio"):
         row[f"{key}_p50_ms"] = fig.get(f"{key}_p50_ms")
     row["drops"] = fig.get("drops_total")
+    for key in ("speculations", "speculation_wasted", "speculation_confirmed", "prompts", "false_ends",
+                "hesitant_prompts", "false_ends_hesitant", "wer", "accuracy_error"):
+        row[key] = fig.get(key)
     for group, choice in info.get("choices", {}).items():
         row[f"choice:{group}"] = choice
     for key in ("launcher", "process", "pid", "server", "duration_s", "rss_mb_start", "rss_mb_end",
@@ -351,14 +373,19 @@ def write_report(sweep_dir: Path | str, *, plot: bool = True) -> list[dict[str, 
     return rows
 
 
+def _overrides(row: Mapping[str, Any]) -> list[str]:
+    """A row's overrides, split where the next one begins (a value may hold spaces: a prompt)."""
+    return [o for o in re.split(r" +(?=[+~]{0,2}[\w./@-]+=)", row["overrides"]) if o]
+
+
 def _common(rows: list[Mapping[str, Any]]) -> list[str]:
     """Overrides every job shares (e.g. bench=latency): said once, not in every row."""
-    sets = [set(r["overrides"].split()) for r in rows]
+    sets = [set(_overrides(r)) for r in rows]
     return sorted(set.intersection(*sets)) if sets else []
 
 
 def _label(row: Mapping[str, Any], common: Iterable[str]) -> str:
-    own = [o for o in row["overrides"].split() if o not in set(common)]
+    own = [o for o in _overrides(row) if o not in set(common)]
     return " ".join(own) or "(defaults)"
 
 
@@ -367,6 +394,38 @@ def _cell(row: Mapping[str, Any], key: str) -> str:
     if p50 is None:
         return "-"
     return f"{p50:.0f} / {p95:.0f}" if p95 is not None else f"{p50:.0f}"
+
+
+def _wasted(row: Mapping[str, Any]) -> str:
+    made, wasted = row.get("speculations"), row.get("speculation_wasted")
+    return f"{wasted}/{made} ({100 * wasted / made:.0f} %)" if made and wasted is not None else "-"
+
+
+def _false_ends(row: Mapping[str, Any]) -> str:
+    if row.get("false_ends") is None:
+        return "-"
+    cut = f"{row['false_ends']}/{row.get('prompts')}"
+    if row.get("hesitant_prompts"):
+        cut += f", hesitant {row.get('false_ends_hesitant')}/{row['hesitant_prompts']}"
+    return cut
+
+
+def _wer(row: Mapping[str, Any]) -> str:
+    return "-" if row.get("wer") is None else f"{100 * row['wer']:.1f} %"
+
+
+#: Counts after the stages: (title, the row key that says a job measured it, the cell)
+COUNT_COLUMNS = (("speculation wasted", "speculations", _wasted), ("false ends", "false_ends", _false_ends),
+                 ("WER", "wer", _wer))
+
+
+def _columns(rows: list[Mapping[str, Any]]) -> tuple[list[tuple[str, str]], list[tuple[str, str, Any]]]:
+    """The stage and count columns some job filled: a sweep without speculation or corpus has none
+    of theirs."""
+    stages = [(k, t) for k, t in STAGE_COLUMNS if k != "stage_gate" or any(r.get(f"{k}_p50_ms") is not None
+                                                                           for r in rows)]
+    counts = [c for c in COUNT_COLUMNS if any(r.get(c[1]) for r in rows)]
+    return stages, counts
 
 
 def _env_keys(rows: list[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
@@ -387,19 +446,25 @@ def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
                  + (f" Every job: `{' '.join(common)}`." if common else ""))
     lines.append("Latency in ms after the user's true end of speech, p50 / p95 over the measured turns "
                  "(the warm-up turn, first of each job, is shown on its own). Stages are the parts of "
-                 "the critical path; they add up to voice-to-voice.")
+                 "the critical path; they add up to voice-to-voice (held: a speculative reply waiting "
+                 "for its turn to be confirmed). Speculation wasted: replies started on a pause and "
+                 "withdrawn because the user went on, of all started early. False ends: turns that "
+                 "ended before the user had finished, of the prompts played (and of those with a "
+                 "hesitation). WER: the user's final transcripts against the prompts.")
     lines.append("")
-    head = ["job", "overrides", *(title for _, title in STAGE_COLUMNS), "warm-up", "turns", "drops",
-            "launcher", "process", "server", *differ]
-    numeric = range(2, 2 + len(STAGE_COLUMNS) + 3)
+    stages, counts = _columns(rows)
+    head = ["job", "overrides", *(title for _, title in stages), *(title for title, _, _ in counts), "warm-up",
+            "turns", "drops", "launcher", "process", "server", *differ]
+    numeric = range(2, 2 + len(stages) + len(counts) + 3)
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join("--:" if i in numeric else "---" for i in range(len(head))) + "|")
     for r in rows:
         if r["status"] != "ok":
-            cells = [str(r["job"]), f"`{_label(r, common)}`", "**failed**", *[""] * (len(STAGE_COLUMNS) + 1)]
+            cells = [str(r["job"]), f"`{_label(r, common)}`", "**failed**", *[""] * (len(stages) + len(counts) + 1)]
         else:
-            cells = [str(r["job"]), f"`{_label(r, common)}`", *(_cell(r, k) for k, _ in STAGE_COLUMNS),
-                     "-" if r["warmup_voice_to_voice_ms"] is None else f"{r['warmup_voice_to_voice_ms']:.0f}",
+            warmup = r["warmup_voice_to_voice_ms"]
+            cells = [str(r["job"]), f"`{_label(r, common)}`", *(_cell(r, k) for k, _ in stages),
+                     *(cell(r) for _, _, cell in counts), "-" if warmup is None else f"{warmup:.0f}",
                      str(r["turns"] if r["turns"] is not None else "-")]
         cells += [str(r.get("drops") if r.get("drops") is not None else "-"), str(r.get("launcher") or "-"),
                   str(r.get("process") or "-"), str(r.get("server") or "-"),
@@ -409,6 +474,10 @@ def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
         lines += ["", "## Failed jobs", ""]
         for r in failed:
             lines.append(f"- job {r['job']} `{r['overrides']}`: {r['error']} ({r['run_dir']})")
+    unscored = [r for r in rows if r.get("accuracy_error")]
+    if unscored:
+        lines += ["", "## Jobs not scored against their corpus", ""]
+        lines += [f"- job {r['job']}: {r['accuracy_error']}" for r in unscored]
     leaks = [r for r in rows if r.get("leftovers_at_start")]
     if leaks:
         lines += ["", "## Objects a previous job left alive in a reused process", ""]
@@ -422,7 +491,8 @@ def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-_PART_KEYS = {"vad": "stage_vad", "stt": "stage_stt", "llm": "stage_llm", "tts": "stage_tts", "ring": "ring_wait"}
+_PART_KEYS = {"vad": "stage_vad", "stt": "stage_stt", "llm": "stage_llm", "tts": "stage_tts", "gate": "stage_gate",
+              "ring": "ring_wait"}
 
 
 def plot_sweep(rows: list[Mapping[str, Any]], path: Path | str) -> Path:

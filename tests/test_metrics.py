@@ -113,7 +113,7 @@ def test_without_stt_the_llm_takes_the_speech_and_there_is_no_stt_figure():
 def test_stages_are_found_by_message_types_not_names():
     graph = graph_for()
     roles = metrics.report(synthetic_trace(), {}, graph)["roles"]
-    assert roles == {"vad": ["vad"], "stt": ["stt"], "llm": ["llm"], "tts": ["tts"], "sink": ["sink"]}
+    assert roles == {"vad": ["vad"], "stt": ["stt"], "llm": ["llm"], "tts": ["tts"], "gate": [], "sink": ["sink"]}
     # renamed nodes (no graph: recognised by the marks they left)
     trace = synthetic_trace().to_dict()
     trace["nodes"] = {f"n_{k}": v for k, v in trace["nodes"].items()}

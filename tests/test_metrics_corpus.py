@@ -148,3 +148,56 @@ def test_a_typo_in_the_corpus_voice_is_caught_before_anything_is_synthesized(cac
 def test_a_bad_bench_block_is_an_answer(cache: Path, change: dict, message: str):
     with pytest.raises(ConfigError, match=message):
         WavSource(corpus={"prompts": ["Hi."], "voice": PIPER, "repeat": 1, **change})
+
+
+def test_bench_hesitation_pauses_each_prompt_mid_sentence_as_long_as_asked(cache: Path, tmp_path: Path):
+    from nodes.tts.hesitant import _quiet_runs, pause_of
+
+    cfg, choices = compose(["bench=hesitation"])
+    graph = validate(build_graph(cfg, choices))
+    source = graph.nodes["source"].node
+    source.ctx = Context("source", tmp_path)
+    source.setup()
+    info = manifest(source.corpus_dir)
+    assert cfg.io.realtime is True and len(info["files"]) == 12
+    assert info["voice"]["speaker"] == "nodes.tts.piper.PiperTTS" and info["voice"]["noise_scale"] == 0
+    for entry in info["files"]:
+        text, pause_ms = pause_of(entry["text"])
+        assert 400 <= pause_ms <= 700 and "," in text
+        pcm, rate = sf.read(source.corpus_dir / entry["file"], dtype="float32")
+        speech = pcm[round(entry["speech_start_s"] * rate):round(entry["speech_end_s"] * rate)]
+        start, length = max(_quiet_runs(speech, rate), key=lambda r: r[1])
+        assert length / rate == pytest.approx(pause_ms / 1000, abs=0.02), entry["text"]
+        assert 0.15 < start / len(speech) < 0.85  # inside the sentence: words on both sides
+
+
+def test_the_hesitant_voice_speaks_text_without_a_pause_as_its_speaker_does(tmp_path: Path):
+    from nodes.tts.hesitant import HesitantVoice
+    from s2s_flow.messages import AudioOut, TextDelta
+
+    def speak(node, text: str) -> np.ndarray:
+        node.ctx = Context("voice", tmp_path)
+        node.setup()
+        try:
+            out = [m.pcm for m in node.process("text", TextDelta(turn=1, text=text, end=True))
+                   if isinstance(m, AudioOut) and len(m.pcm)]
+        finally:
+            node.close()
+        return np.concatenate(out)
+
+    options = {"noise_scale": 0, "noise_w_scale": 0}
+    plain = speak(PiperTTS(**options), "Set a timer for twenty minutes please.")
+    assert np.array_equal(speak(HesitantVoice(**options), "Set a timer for twenty minutes please."), plain)
+    longer = speak(HesitantVoice(**options), "Set a timer for, [700 ms] twenty minutes please.")
+    assert len(longer) > len(plain) + 0.3 * 22050  # the pause, much longer than the comma's
+
+
+def test_a_hesitant_voice_checks_its_speakers_options_and_pauses():
+    from nodes.tts.hesitant import HesitantVoice, pause_of
+
+    with pytest.raises(ConfigError, match=r"bench.voice.noise_scal is not an option of PiperTTS: did you mean "
+                                          r"bench.voice.noise_scale\?"):
+        HesitantVoice(noise_scal=0)
+    with pytest.raises(ConfigError, match="asks for 2 pauses; a prompt hesitates once"):
+        pause_of("Set a, [400 ms] timer for, [500 ms] ten minutes.")
+    assert pause_of("What time is it?") == ("What time is it?", None)

@@ -119,3 +119,31 @@ def test_the_summary_can_be_rebuilt_from_the_job_dirs(tmp_path: Path, question: 
     assert proc.returncode == 0, proc.stderr
     assert (out / "sweep.csv").read_text() == before
     assert (out / "sweep.md").exists() and (out / "sweep.png").exists()
+
+
+def test_a_sweep_over_the_hesitant_corpus_counts_false_ends_and_wasted_speculation(tmp_path: Path):
+    """Silero alone on two prompts that pause 700 and 500 ms mid-sentence: a 300 ms hangover cuts
+    both users off, 900 ms none; a speculation at 200 ms is withdrawn at each pause the user
+    talks on after, and confirmed at each end of turn."""
+    out = tmp_path / "sweep"
+    prompts = "['Set a timer for, [700 ms] twenty minutes please.','Add eggs and milk to my, [500 ms] shopping list.']"
+    sweep(out, "bench=hesitation", "chain=[io.source,vad]", f"bench.prompts={prompts}",
+          "vad.min_silence_ms=300,900", "vad.speculate_ms=0,200")
+    rows = {tuple(r["overrides"].split()[-2:]): r for r in read_csv(out / "sweep.csv")}
+    counts = {k: (r["false_ends"], r["false_ends_hesitant"], r["hesitant_prompts"], r["speculations"],
+                  r["speculation_wasted"]) for k, r in rows.items()}
+    assert counts == {
+        ("vad.min_silence_ms=300", "vad.speculate_ms=0"): ("2", "2", "2", "0", "0"),
+        ("vad.min_silence_ms=300", "vad.speculate_ms=200"): ("2", "2", "2", "4", "0"),  # confirmed at the pause
+        ("vad.min_silence_ms=900", "vad.speculate_ms=0"): ("0", "0", "2", "0", "0"),
+        ("vad.min_silence_ms=900", "vad.speculate_ms=200"): ("0", "0", "2", "4", "2"),
+    }
+    assert all(r["wer"] == "" for r in rows.values())  # no STT in this chain: no words to score
+    md = (out / "sweep.md").read_text()
+    assert "| speculation wasted | false ends |" in md and "| WER |" not in md
+    assert "`vad.min_silence_ms=900 vad.speculate_ms=200` |" in md and "| 2/4 (50 %) | 0/2, hesitant 0/2 |" in md
+    assert f"Every job: `bench.prompts={prompts}" in md  # an override with spaces stays whole
+    job = json.loads((out / "3" / "job.json").read_text())
+    assert job["figures"]["false_ends"] == 0 and job["figures"]["speculation_wasted"] == 2
+    scored = json.loads((Path(job["run_dir"]) / "accuracy.json").read_text())
+    assert [d["cut_off_turns"] for d in scored["conversations"]] == [[], []]
