@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from nodes.vad.silero import SileroVAD
 from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
+from s2s_flow import node
 from s2s_flow.node import Context
 from tests.support.speech import speech_with_pauses
 
@@ -158,6 +160,7 @@ def test_a_dropped_chunk_keeps_the_timeline(tmp_path):
 
 def test_a_missing_silero_wheel_gives_the_no_deps_install_command(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "silero_vad", None)  # how an environment without the wheel looks to find_spec
+    monkeypatch.setattr(node, "_SHARED", weakref.WeakValueDictionary())  # none loaded by earlier tests
     with pytest.raises(MissingDependency) as err:
         make_vad(tmp_path)
     assert err.value.command == "pip install --no-deps silero-vad onnxruntime"

@@ -9,11 +9,12 @@ import binascii
 import copy
 import itertools
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ProtocolError", "SessionConfig", "new_id", "error_event", "decode_pcm16", "message_item",
-           "CLIENT_EVENTS"]
+           "response_modalities", "response_instructions", "CLIENT_EVENTS"]
 
 CLIENT_EVENTS = frozenset({
     "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
@@ -94,9 +95,25 @@ class SessionConfig:
         "create_response": True, "interrupt_response": True, "idle_timeout_ms": None})
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
+    #: the last server_vad settings, restored when turn_detection goes from null back to server_vad
+    server_vad: dict[str, Any] = field(default_factory=dict)
 
-    def update(self, session: Any) -> None:
-        """Apply a ``session.update``'s ``session`` object (all or nothing)."""
+    def __post_init__(self) -> None:
+        self.server_vad = dict(self.turn_detection or {})
+
+    @property
+    def manual(self) -> bool:
+        """turn_detection is null: the client ends each turn (input_audio_buffer.commit)."""
+        return self.turn_detection is None
+
+    @property
+    def auto_response(self) -> bool:
+        """A turn the VAD ends is answered by itself (else it waits for response.create)."""
+        return self.turn_detection is not None and self.turn_detection.get("create_response", True)
+
+    def update(self, session: Any, fit: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None) -> None:
+        """Apply a ``session.update``'s ``session`` object (all or nothing); ``fit`` turns the new
+        turn_detection into the settings the server will use, or refuses it (ProtocolError)."""
         if not isinstance(session, dict):
             raise ProtocolError("invalid_value", "session.update needs a 'session' object", param="session")
         new = copy.deepcopy(self)
@@ -118,7 +135,10 @@ class SessionConfig:
         if "voice" in out:
             new.voice = str(out["voice"])
         if "turn_detection" in inp:
-            new.turn_detection = _turn_detection(inp["turn_detection"], self.turn_detection)
+            new.turn_detection = _turn_detection(inp["turn_detection"], self.turn_detection or self.server_vad)
+            if fit is not None:
+                new.turn_detection = fit(new.turn_detection)
+            new.server_vad = dict(new.turn_detection or self.server_vad)
         if "tools" in session:
             if not isinstance(session["tools"], list):
                 raise ProtocolError("invalid_value", "session.tools must be a list", param="session.tools")
@@ -149,19 +169,45 @@ def _modalities(value: Any, where: str) -> list[str]:
     return list(value)
 
 
-def _turn_detection(value: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
+_TURN_KEYS = frozenset({"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                        "interrupt_response", "idle_timeout_ms"})
+
+
+def _turn_detection(value: Any, current: dict[str, Any]) -> dict[str, Any] | None:
+    """``turn_detection``: None (manual turns: the client commits), or server_vad settings merged
+    over the current ones and checked against what the VAD accepts."""
+    where = "session.audio.input.turn_detection"
     if value is None:
-        raise ProtocolError("unsupported_value", "turn_detection=null (manual turns) is not supported by this "
-                            "server yet: the VAD ends the user's turns (server_vad)",
-                            param="session.audio.input.turn_detection")
+        return None
     if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
-        raise ProtocolError("unsupported_value", "turn_detection: only {'type': 'server_vad', ...} is supported",
-                            param="session.audio.input.turn_detection")
-    merged = {**(current or {}), **value, "type": "server_vad"}
-    if merged.get("create_response") is False:
-        raise ProtocolError("unsupported_value", "turn_detection.create_response=false is not supported: every "
-                            "user turn is answered", param="session.audio.input.turn_detection.create_response")
+        raise ProtocolError("unsupported_value", "turn_detection: use {'type': 'server_vad', ...} or null (manual "
+                            "turns: input_audio_buffer.commit ends them); semantic_vad is not supported", param=where)
+    unknown = sorted(set(value) - _TURN_KEYS)
+    if unknown:
+        raise ProtocolError("unknown_parameter", f"turn_detection has no {', '.join(unknown)}; it takes "
+                            f"{', '.join(sorted(_TURN_KEYS))}", param=f"{where}.{unknown[0]}")
+    merged = {**current, **value, "type": "server_vad"}
+    threshold = merged.get("threshold")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.15 < threshold < 1.0:
+        raise ProtocolError("invalid_value", f"turn_detection.threshold={threshold!r}: a speech probability the "
+                            "VAD takes between 0.2 and 0.95 (default 0.5)", param=f"{where}.threshold")
+    for key, most in (("silence_duration_ms", 10_000), ("prefix_padding_ms", 2_000)):
+        ms = merged.get(key)
+        if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= most:
+            raise ProtocolError("invalid_value", f"turn_detection.{key}={ms!r}: whole milliseconds from 0 to {most}",
+                                param=f"{where}.{key}")
+    for key in ("create_response", "interrupt_response"):
+        if not isinstance(merged.get(key), bool):
+            raise ProtocolError("invalid_value", f"turn_detection.{key} must be true or false", param=f"{where}.{key}")
     return merged
+
+
+def response_instructions(response: Any) -> str | None:
+    """``response.create``'s ``instructions``: the system prompt of that response only."""
+    text = response.get("instructions") if isinstance(response, dict) else None
+    if text is not None and not isinstance(text, str):
+        raise ProtocolError("invalid_value", "response.instructions must be a string", param="response.instructions")
+    return text
 
 
 def response_modalities(response: Any, config: SessionConfig) -> list[str]:

@@ -11,296 +11,124 @@ into server events: speech started/stopped, the user's transcript, and each repl
 a reply interrupts it (``response.done`` cancelled); the history keeps what was sent, or what
 the client says was heard (``conversation.item.truncate``).
 
+Turns: with ``turn_detection`` server_vad (the default) the session's own VAD ends each turn,
+with the client's threshold, silence and padding; ``create_response: false`` holds a turn's
+reply until ``response.create``; ``turn_detection: null`` leaves the VAD out and the client
+ends each turn with ``input_audio_buffer.commit``. The session decides which user messages
+start a reply (``Session.holds``) and what of the conversation the LLM sees (deleted items,
+per-response instructions), through the LLM node it binds (``Session.bind_llm``): see
+nodes/io/_realtime_session.py.
+
     s2s-run recipe=local_cpu io=realtime                    # ws://127.0.0.1:8765/v1/realtime
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
-import json
+import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from nodes._playback import Playback, playback_of
-from nodes.io._realtime_events import ProtocolError, SessionConfig, message_item, new_id
+from nodes._playback import playback_of
+from nodes.io._realtime_events import ProtocolError, message_item
+from nodes.io._realtime_session import Response, Session
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStarted, TextDelta, Transcript
 from s2s_flow.node import Node
 
-__all__ = ["RealtimeSource", "RealtimeSink", "Session", "API_KEY_ENV"]
+__all__ = ["RealtimeSource", "RealtimeSink", "Session", "Response", "API_KEY_ENV", "LowLatencyResampler",
+           "vad_turn_settings", "fit_vad_settings", "apply_vad_settings"]
 
 API_KEY_ENV = "S2S_REALTIME_API_KEY"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_INBOX = 512  # client events waiting for the source thread (20 ms of audio each, typically)
+_REMEMBERED_TURNS = 256  # per-turn bookkeeping kept for the most recent turns only
 
 
-@dataclass
-class Response:
-    """One ``response``: the assistant item it makes and what of it was sent."""
+# -- turn_detection on the session's VAD -----------------------------------------------------
 
-    id: str
-    turn: int = 0
-    modalities: list[str] = field(default_factory=lambda: ["audio"])
-    item_id: str = field(default_factory=lambda: new_id("item"))
-    started: bool = False  # output_item.added sent
-    text: str = ""
-    text_done: bool = False
-    audio_ms: float = 0.0
-    sentences: list[tuple[float, str]] = field(default_factory=list)  # (start ms in the audio, sentence)
-    done: bool = False
-    cancel_reason: str = "turn_detected"
-    speech_end_t: float | None = None
-    first_audio: bool = False
-
-    def heard(self, until_ms: float | None = None) -> str:
-        """The sentences whose audio began before ``until_ms`` (all sent ones by default)."""
-        end = self.audio_ms if until_ms is None else until_ms
-        return " ".join(s for start, s in self.sentences if start < end).strip()
-
-    def as_item(self, status: str) -> dict[str, Any]:
-        part = ({"type": "output_audio", "transcript": self.text} if "audio" in self.modalities
-                else {"type": "output_text", "text": self.text})
-        return message_item(self.item_id, "assistant", [part], status)
-
-    def as_response(self, status: str, details: dict[str, Any] | None = None, output: bool = True) -> dict[str, Any]:
-        return {"object": "realtime.response", "id": self.id, "status": status, "status_details": details,
-                "output": [self.as_item("completed" if status == "completed" else "incomplete")] if output else [],
-                "conversation_id": "conv", "output_modalities": self.modalities, "usage": None, "metadata": None}
+_VAD_SETTINGS = {"threshold": "threshold", "silence_duration_ms": "min_silence_ms",
+                 "prefix_padding_ms": "speech_pad_ms"}  # turn_detection's names -> SileroVAD's
 
 
-@dataclass
-class ClientCall:
-    """A call of a client-declared tool, waiting for the client's ``function_call_output``."""
-
-    call_id: str
-    name: str
-    arguments: str
-    turn: int
-    item_id: str = field(default_factory=lambda: new_id("item"))
-    output: str | None = None
-    answered: threading.Event = field(default_factory=threading.Event)
+def vad_turn_settings(vad: Any) -> dict[str, Any] | None:
+    """turn_detection's numbers as the session's VAD has them (None: a VAD that takes none)."""
+    if vad is None or not callable(getattr(vad, "set_turn_detection", None)):
+        return None
+    return {key: getattr(vad, attr) for key, attr in _VAD_SETTINGS.items()}
 
 
-class Session:
-    """One connection's bridge between the asyncio server and the graph's threads (thread-safe).
+def fit_vad_settings(vad: Any, old: dict[str, Any] | None, new: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The turn_detection the session's VAD will use for ``new``: refused (ProtocolError) where it
+    cannot take it, the prefix padding lowered to what a speculating VAD allows."""
+    if new is None:
+        return None
+    changed = [k for k in _VAD_SETTINGS if old is None or new.get(k) != old.get(k)]
+    if not changed:
+        return new
+    where = "session.audio.input.turn_detection"
+    if vad_turn_settings(vad) is None:
+        raise ProtocolError("unsupported_value", f"turn_detection.{changed[0]}: the server's vad "
+                            f"({type(vad).__name__ if vad is not None else 'none'}) takes no turn settings from "
+                            "the client; leave them out, or serve with vad=silero", param=f"{where}.{changed[0]}")
+    silence = new["silence_duration_ms"]
+    speculate = getattr(vad, "speculate_ms", 0) or 0
+    if speculate and silence <= speculate:
+        raise ProtocolError("invalid_value", f"turn_detection.silence_duration_ms={silence}: this server starts a "
+                            f"reply after vad.speculate_ms={speculate} ms of silence, before the turn ends; use more "
+                            "than that", param=f"{where}.silence_duration_ms")
+    if getattr(vad, "turn_detector", "silence") == "smart_turn" and silence >= vad.max_silence_ms:
+        raise ProtocolError("invalid_value", f"turn_detection.silence_duration_ms={silence}: this server's turn model "
+                            f"ends a turn after vad.max_silence_ms={vad.max_silence_ms} ms anyway; use less",
+                            param=f"{where}.silence_duration_ms")
+    if speculate and new["prefix_padding_ms"] > speculate:  # the padding also closes the utterance
+        new = {**new, "prefix_padding_ms": speculate}  # session.updated shows what is in effect
+    return new
 
-    ``send`` queues a server event for the connection's sender task; ``inbox`` carries what
-    the client sent to the source's thread.
-    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, config: SessionConfig,
-                 observe: Any = None) -> None:
-        self.id = new_id("sess")
-        self.loop, self._out, self.config = loop, out, config
-        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=_INBOX)
-        self.lock = threading.Lock()
-        self.responses: dict[int, Response] = {}
-        self.by_item: dict[str, Response] = {}
-        self.user_items: dict[int, str] = {}
-        self.last_item: str | None = None
-        self.playback: Playback | None = None
-        self.llm: Any = None  # the session's LLM node: instructions go to its conversation
-        self.observe = observe  # metrics callback: (name, value)
-        self.closed = False
-        self.calls: dict[str, ClientCall] = {}  # client tool calls by call_id
-        self.answering: int | None = None  # the user turn the LLM answers now (a tool call belongs to it)
-        self.asked: list[Response] = []  # response.create received, not yet begun by the source
-        self._own_tools: dict[str, Any] | None = None  # the LLM's configured llm.tools
+def apply_vad_settings(vad: Any, settings: dict[str, Any]) -> None:
+    """Point the session's own VAD at the client's turn_detection (from the source's thread)."""
+    if vad_turn_settings(vad) is None:
+        return
+    vad.set_turn_detection(threshold=float(settings["threshold"]), min_silence_ms=int(settings["silence_duration_ms"]),
+                           speech_pad_ms=int(settings["prefix_padding_ms"]))
 
-    def send(self, event: dict[str, Any]) -> None:
-        if self.closed:
-            return
-        text = json.dumps({"event_id": new_id("event"), **event})
-        try:
-            self.loop.call_soon_threadsafe(self._out.put_nowait, text)
-        except RuntimeError:  # the server's loop is gone: nobody to tell
-            self.closed = True
 
-    def put(self, item: Any) -> bool:
-        """Hand a client event to the source thread; False if it is too far behind."""
-        try:
-            self.inbox.put_nowait(item)
-            return True
-        except queue.Full:
-            return False
+class LowLatencyResampler:
+    """Streaming polyphase resampler (Kaiser-windowed sinc) for the client's audio on its way to
+    the VAD: about 1 ms of delay, where soxr's stream mode holds back 20-40 ms per block (its
+    output comes in bursts), which the end of every turn would wait for. Flat to 0.375 x the
+    lower rate (6 kHz at 16 kHz), -6 dB at 0.45 x: made for speech going to a VAD and STT."""
 
-    def close_input(self) -> None:
-        """No more client events: the source's produce() returns (room is made if needed)."""
-        while True:
-            try:
-                self.inbox.put_nowait(None)
-                return
-            except queue.Full:
-                with contextlib.suppress(queue.Empty):
-                    self.inbox.get_nowait()
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        g = math.gcd(rate_in, rate_out)
+        self.up, self.down = rate_out // g, rate_in // g
+        self.taps = k = round(32 * max(1.5, rate_in / rate_out))  # input samples per output sample
+        cutoff = 0.45 * min(rate_in, rate_out) / (rate_in * self.up)  # -6 dB, cycles per upsampled sample
+        n = np.arange(k * self.up) - (k * self.up - 1) / 2
+        h = 2 * cutoff * np.sinc(2 * cutoff * n) * np.kaiser(k * self.up, 8.0) * self.up
+        self._bank = np.ascontiguousarray(h.reshape(k, self.up).T[:, ::-1], np.float32)  # [phase, oldest tap first]
+        self._history = np.zeros(k - 1, np.float32)
+        self._next = 0  # index of the next output sample
+        self._seen = 0  # input samples so far
 
-    def user_item(self, turn: int) -> str:
-        with self.lock:
-            return self.user_items.setdefault(turn, new_id("item"))
-
-    def add_item(self, item_id: str) -> str | None:
-        """Append an item to the conversation; returns the previous item's id."""
-        with self.lock:
-            previous, self.last_item = self.last_item, item_id
-            return previous
-
-    def response(self, turn: int, create: bool = True) -> Response | None:
-        """The response answering ``turn``; a new one (``response.created`` sent) if none yet."""
-        with self.lock:
-            resp = self.responses.get(turn)
-            if resp is not None or not create:
-                return resp
-            resp = self.responses[turn] = Response(new_id("resp"), turn, list(self.config.output_modalities))
-            self.by_item[resp.item_id] = resp
-        self.send({"type": "response.created", "response": resp.as_response("in_progress", output=False)})
-        return resp
-
-    def begin(self, turn: int, resp: Response) -> None:
-        """A response asked for with ``response.create`` answers ``turn``."""
-        with self.lock:
-            resp.turn = turn
-            self.answering = turn
-            if resp in self.asked:
-                self.asked.remove(resp)
-            self.responses[turn] = resp
-            self.by_item[resp.item_id] = resp
-        self.send({"type": "response.created", "response": resp.as_response("in_progress", output=False)})
-
-    def active(self) -> list[Response]:
-        """Responses under way, and those asked for that the source has not begun yet."""
-        with self.lock:
-            return [r for r in self.responses.values() if not r.done] + list(self.asked)
-
-    # -- client tools -----------------------------------------------------------------
-
-    def set_tools(self, tools: Any, choice: Any) -> None:
-        """``session.tools``: the client's functions join the LLM's toolbox; a call goes to the
-        client (function-call events) and waits for its ``function_call_output`` + ``response.create``."""
-        toolbox = getattr(self.llm, "toolbox", None)
-        if toolbox is None:
-            raise ProtocolError("unsupported_value", "the chosen llm backend takes no tools", param="session.tools")
-        from nodes.llm._tools import NAME, TOOL_CHOICES, Tool
-
-        client = {}
-        for i, spec in enumerate(tools if tools is not None else []):
-            name = spec.get("name") if isinstance(spec, dict) else None
-            if not isinstance(spec, dict) or spec.get("type", "function") != "function" or not isinstance(name, str) \
-                    or not NAME.match(name) or not isinstance(spec.get("parameters", {}), dict):
-                raise ProtocolError("invalid_value", "a tool is {'type': 'function', 'name': <letters, digits, _ or "
-                                    "->, 'description': ..., 'parameters': <JSON schema>}", param=f"session.tools[{i}]")
-            client[name] = Tool(name, str(spec.get("description") or ""),
-                                spec.get("parameters") or {"type": "object", "properties": {}},
-                                func=lambda _name=name, **arguments: self._call_client(_name, arguments),
-                                path="the realtime client")
-        if isinstance(choice, dict):
-            choice = choice.get("name")
-        if self._own_tools is None:
-            self._own_tools = dict(toolbox.tools)
-        merged = {**self._own_tools, **client}
-        if choice is not None and choice not in TOOL_CHOICES and choice not in merged:
-            raise ProtocolError("invalid_value", f"tool_choice={choice!r} is neither auto, none, required nor a "
-                                "declared tool", param="session.tool_choice")
-        toolbox.tools = merged
-        if choice is not None:
-            toolbox.choice = choice
-
-    def _call_client(self, name: str, arguments: dict[str, Any]) -> str:
-        """Runs on one of the LLM's tool threads (one per call of the round): the first to arrive
-        sends every client call of the round in one response; each waits for its output."""
-        text = json.dumps(arguments)
-        with self.lock:  # looked up and registered at once: the round's calls arrive together
-            turn = self.answering
-            mine = self._waiting(turn, name, text)
-            fresh = []
-            if mine is None and turn is not None:
-                for n, a in self._round_calls(name, text):
-                    if self._waiting(turn, n, a) is None:
-                        call = ClientCall(new_id("call"), n, a, turn)
-                        self.calls[call.call_id] = call
-                        fresh.append(call)
-                mine = self._waiting(turn, name, text)
-        if mine is None or turn is None:
-            return "error: no turn is being answered"
-        if fresh:
-            self._announce(turn, fresh)
-        mine.answered.wait()
-        return mine.output or ""
-
-    def _waiting(self, turn: int | None, name: str, arguments: str) -> ClientCall | None:
-        return next((c for c in self.calls.values() if (c.turn, c.name, c.arguments) == (turn, name, arguments)
-                     and not c.answered.is_set()), None)
-
-    def _round_calls(self, name: str, text: str) -> list[tuple[str, str]]:
-        """The distinct client calls of the LLM's current round (the model may write one twice)."""
-        found = [(name, text)]
-        try:
-            calls = self.llm.conversation.exchanges[-1].rounds[-1].calls
-        except (AttributeError, IndexError):
-            return found
-        client = set(self.llm.toolbox.tools) - set(self._own_tools or ())
-        for call in calls:
-            arguments = call.parsed_arguments()
-            if call.name in client and isinstance(arguments, dict):
-                key = (call.name, json.dumps(arguments))
-                if key not in found:
-                    found.append(key)
-        return found
-
-    def _announce(self, turn: int, calls: list[ClientCall]) -> None:
-        """One response that ends with the calls (``response.done``): the client answers them."""
-        resp = self.response(turn)
-        assert resp is not None
-        if resp.done:  # a later round of the same turn: a response of its own
-            resp = Response(new_id("resp"), turn, list(self.config.output_modalities))
-            self.begin(turn, resp)
-        with self.lock:
-            resp.done = True
-        done = resp.as_response("completed", output=resp.started)
-        for index, call in enumerate(calls, start=len(done["output"])):
-            item = {"id": call.item_id, "object": "realtime.item", "type": "function_call", "status": "completed",
-                    "name": call.name, "call_id": call.call_id, "arguments": call.arguments}
-            ids = {"response_id": resp.id, "output_index": index}
-            self.send({"type": "response.output_item.added", **ids, "item": {**item, "status": "in_progress",
-                                                                              "arguments": ""}})
-            self.send({"type": "conversation.item.added", "previous_item_id": self.add_item(call.item_id),
-                       "item": item})
-            parts = {**ids, "item_id": call.item_id, "call_id": call.call_id}
-            self.send({"type": "response.function_call_arguments.delta", **parts, "delta": call.arguments})
-            self.send({"type": "response.function_call_arguments.done", **parts, "name": call.name,
-                       "arguments": call.arguments})
-            self.send({"type": "response.output_item.done", **ids, "item": item})
-            self.send({"type": "conversation.item.done", "previous_item_id": None, "item": item})
-            done["output"].append(item)
-        self.send({"type": "response.done", "response": done})
-
-    def waiting_calls(self) -> list[ClientCall]:
-        with self.lock:
-            return [c for c in self.calls.values() if c.output is not None and not c.answered.is_set()]
-
-    def release_calls(self, output: str | None = None) -> None:
-        """The client answered (``response.create``), or left: every waiting call returns."""
-        with self.lock:
-            calls = [c for c in self.calls.values() if not c.answered.is_set()]
-        for call in calls:
-            if output is not None and call.output is None:
-                call.output = output
-            if call.output is not None:
-                call.answered.set()
-
-    def set_instructions(self, text: str | None) -> None:
-        conversation = getattr(self.llm, "conversation", None)
-        if conversation is not None:
-            conversation.system_prompt = text or None
+    def __call__(self, pcm: np.ndarray) -> np.ndarray:
+        x = np.concatenate([self._history, pcm.astype(np.float32, copy=False)])
+        self._seen += len(pcm)
+        self._history = x[len(x) - (self.taps - 1):]
+        last = (self._seen * self.up - 1) // self.down  # the newest output whose inputs are all here
+        if last < self._next:
+            return np.zeros(0, np.float32)
+        pos = np.arange(self._next, last + 1) * self.down
+        newest = pos // self.up - (self._seen - len(x))  # each output's newest input, as an index in x
+        window = x[newest[:, None] + np.arange(1 - self.taps, 1)]
+        self._next = last + 1
+        return np.einsum("ij,ij->i", window, self._bank[pos % self.up]).astype(np.float32, copy=False)
 
 
 def _check_rate(rate: int) -> None:
@@ -309,14 +137,16 @@ def _check_rate(rate: int) -> None:
 
 
 class RealtimeSource(Node):
-    """A session's input: client audio as AudioChunks, typed-in messages as Transcripts.
+    """A session's input: client audio as AudioChunks (or, with manual turns, as the ``Speech``
+    the client commits), the user messages a ``response.create`` answers as a Transcript (or
+    their audio, for an LLM that hears it); both join the VAD's and STT's on their way.
 
     The source also carries the server's settings (it is what ``s2s-run`` serves with):
     host, port, key, limits. They are checked here, at compose time.
     """
 
-    outputs = {"audio": AudioChunk, "text": Transcript}
-    joins = frozenset({"text"})
+    outputs = {"audio": AudioChunk, "text": Transcript, "speech": Speech}
+    joins = frozenset({"text", "speech"})
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.
     port_rings = {"audio": (128, "block")}
@@ -332,6 +162,7 @@ class RealtimeSource(Node):
         max_sessions: int = 8,
         idle_timeout_s: float = 300.0,
         max_frame_bytes: int = 1 << 20,
+        max_queued_bytes: int = 8 << 20,
         rate: int = 16000,
         chunk_ms: int = 20,
     ) -> None:
@@ -345,6 +176,9 @@ class RealtimeSource(Node):
         if max_frame_bytes < 4096:
             raise ConfigError(f"io.max_frame_bytes={max_frame_bytes} is too small: a 20 ms append is ~1.3 kB "
                               "of base64; use at least 4096 (default 1 MiB)")
+        if max_queued_bytes < 65536:
+            raise ConfigError(f"io.max_queued_bytes={max_queued_bytes} is too small: a client that reads keeps "
+                              "several audio events in flight; use at least 65536 (default 8 MiB)")
         if not 5 <= chunk_ms <= 200:
             raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -355,6 +189,7 @@ class RealtimeSource(Node):
                 "127.0.0.1, or io.allow_public=true if that is what you mean")
         self.host, self.port, self.allow_public = host, port, allow_public
         self.max_sessions, self.idle_timeout_s, self.max_frame_bytes = max_sessions, idle_timeout_s, max_frame_bytes
+        self.max_queued_bytes = max_queued_bytes
         self.rate, self.chunk_ms = rate, chunk_ms
         self.session: Session | None = None
 
@@ -374,12 +209,13 @@ class RealtimeSource(Node):
         server = RealtimeServer(make_graph, self, run_dir, **options)
         return server.run()
 
-    def produce(self) -> Iterator[Message]:
+    def produce(self) -> Iterator[Any]:
         session = self.session
         assert session is not None, "the server binds a session before the graph runs"
         chunk = self.rate * self.chunk_ms // 1000
         pending = np.zeros(0, np.float32)
         pos, rate, resample = 0, None, None
+        manual: list[np.ndarray] | None = [] if session.config.manual else None  # the uncommitted buffer
         while not self.ctx.stopping.is_set():
             item = session.inbox.get()
             if item is None:
@@ -388,27 +224,61 @@ class RealtimeSource(Node):
             if kind == "audio":
                 _, raw, in_rate, t = item
                 if in_rate != rate:
-                    rate, resample = in_rate, StreamResampler(in_rate, self.rate)
-                pcm = resample(to_float32(np.frombuffer(raw, "<i2")))
+                    rate = in_rate
+                    resample = LowLatencyResampler(in_rate, self.rate) if in_rate != self.rate else None
+                pcm = to_float32(np.frombuffer(raw, "<i2"))
+                pcm = resample(pcm) if resample is not None else pcm
+                if manual is not None:
+                    manual.append(pcm)
+                    continue
                 pending = np.concatenate([pending, pcm]) if len(pending) else pcm
                 while len(pending) >= chunk:  # stamped as if each arrived in real time
                     piece, pending = pending[:chunk], pending[chunk:]
                     yield AudioChunk(pcm=piece, rate=self.rate, start=pos / self.rate,
                                      t=t - len(pending) / self.rate)
                     pos += chunk
+            elif kind == "turns":  # session.update's turn_detection, in order with the audio
+                settings = item[1]
+                if settings is None:
+                    manual = [] if manual is None else manual
+                else:
+                    manual = None
+                    apply_vad_settings(session.vad, settings)
+            elif kind == "commit" and manual:
+                pcm, manual = np.concatenate(manual), []
+                turn = self.ctx.new_turn()
+                speech = Speech(turn=turn, pcm=pcm, rate=self.rate, start=pos / self.rate,
+                                end=(pos + len(pcm)) / self.rate, speech_end_t=time.monotonic())
+                pos += len(pcm)
+                session.commit(turn, speech)
+                yield ("speech", speech)
             elif kind == "clear":
                 pending, rate = np.zeros(0, np.float32), None
+                manual = [] if manual is not None else None
             elif kind == "respond":
-                _, text, resp = item
-                turn = self.ctx.new_turn()
-                session.begin(turn, resp)
-                yield ("text", Transcript(turn=turn, text=text))
+                yield from self._respond(session, item[1])
             elif kind == "cancel":
                 for resp in session.active():
                     if not resp.turn:
                         continue  # asked for after the cancel: it goes ahead
                     resp.cancel_reason = "client_cancelled"
                     self.ctx.interrupt(resp.turn + 1, "response.cancel")
+
+    def _respond(self, session: Session, resp: Response) -> Iterator[Any]:
+        """Begin a ``response.create``'s response as a new turn: its user messages, typed and
+        spoken, go to the LLM as one message (their audio, when the LLM hears audio)."""
+        turn = self.ctx.new_turn()
+        session.begin(turn, resp)
+        texts = [p.text for p in resp.inputs if p.text]
+        audio = [p.speech.pcm for p in resp.inputs if p.speech is not None and not p.text]
+        if audio and session.hears_audio:
+            pcm = np.concatenate(audio)
+            yield ("speech", Speech(turn=turn, pcm=pcm, rate=self.rate, start=0.0, end=len(pcm) / self.rate,
+                                    speech_end_t=time.monotonic()))
+        elif texts:
+            yield ("text", Transcript(turn=turn, text="\n".join(texts)))
+        else:  # nothing was said (silence, or the transcripts were lost to an interrupt)
+            session.fail(resp, "empty_input", "the user messages this response was to answer have no words")
 
     def close(self) -> None:
         if self.session is not None:
@@ -448,29 +318,49 @@ class RealtimeSink(Node):
         handle(self.session, msg)  # type: ignore[operator]
 
     # -- the user's side ---------------------------------------------------------------
+    # Speculative turns (vad.speculate_ms): the VAD's early Speech and its transcript are for the
+    # LLM only; the user's side shows the confirmed copies, and a turn that goes on after a
+    # withdrawn speculation is the same user item (the gate before this sink holds the replies).
 
     def _started(self, session: Session, msg: SpeechStarted) -> None:
+        if msg.continues:  # the same utterance, going on: no new item, no new barge-in
+            session.continue_item(msg.turn, msg.continues)
+            with self._lock:
+                if msg.continues in self._said:
+                    self._said[msg.turn] = self._said.pop(msg.continues)
+                if not session.holds(msg.turn):
+                    self._open_turns.add(msg.turn)
+            return
         item_id = session.user_item(msg.turn)
         session.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": round(msg.start * 1000),
                       "item_id": item_id})
         detection = session.config.turn_detection or {}
         with self._lock:
             busy = any(t < msg.turn for t in self._open_turns)
-            self._open_turns.add(msg.turn)  # a user turn is under way: its reply will follow
+            if not session.holds(msg.turn):
+                self._open_turns.add(msg.turn)  # a user turn is under way: its reply will follow
         if busy and detection.get("interrupt_response", True):
             self.ctx.interrupt(msg.turn, "barge-in")
 
     def _speech(self, session: Session, msg: Speech) -> None:
+        if msg.speculative:
+            return
         item_id = session.user_item(msg.turn)
+        held = session.holds(msg.turn)
         with self._lock:
-            self._open_turns.add(msg.turn)
+            if not held:
+                self._open_turns.add(msg.turn)
             self._speech_end[msg.turn] = msg.speech_end_t
+            for old in list(self._speech_end)[: -_REMEMBERED_TURNS]:
+                del self._speech_end[old]
         session.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": round(msg.end * 1000),
                       "item_id": item_id})
         previous = session.add_item(item_id)
         session.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item_id})
         item = message_item(item_id, "user", [{"type": "input_audio", "transcript": None}], "completed")
         session.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        if held:  # waits for response.create from now on (its transcript may follow)
+            session.hold(msg.turn, item_id, speech=msg)
 
     def _delta(self, session: Session, msg: Transcript) -> None:
         """A partial transcript while the user speaks: its new words as a transcription delta (a
@@ -484,9 +374,12 @@ class RealtimeSink(Node):
                       "item_id": session.user_item(msg.turn), "content_index": 0, "delta": text[len(said):]})
 
     def _transcript(self, session: Session, msg: Transcript) -> None:
-        if not msg.final:
-            return
+        if not msg.final or msg.speculative or msg.turn in session.turn_items:
+            return  # a partial, a speculative one, or the typed message a response.create sent
         item_id = session.user_item(msg.turn)
+        held = session.holds(msg.turn)
+        if held:  # before the client hears of it: a response.create may follow at once
+            session.hold(msg.turn, item_id, text=msg.text)
         base = {"item_id": item_id, "content_index": 0}
         said = self._said.pop(msg.turn, "")
         rest = msg.text[len(said):] if msg.text.startswith(said) else ""
@@ -496,9 +389,9 @@ class RealtimeSink(Node):
                       "transcript": msg.text, "usage": None})
         item = message_item(item_id, "user", [{"type": "input_audio", "transcript": msg.text}], "completed")
         session.send({"type": "conversation.item.done", "previous_item_id": None, "item": item})
-        if not msg.text:
+        if not msg.text or held:
             with self._lock:
-                self._open_turns.discard(msg.turn)  # nothing to answer
+                self._open_turns.discard(msg.turn)  # nothing to answer, or not now
         else:
             with session.lock:
                 session.answering = msg.turn
@@ -514,7 +407,7 @@ class RealtimeSink(Node):
             if resp.done:
                 return None
             if resp.speech_end_t is None:
-                resp.speech_end_t = self._speech_end.get(turn)
+                resp.speech_end_t = self._speech_end.pop(turn, None)
             self._open_turns.add(turn)
             if not resp.started:
                 resp.started = True
@@ -616,6 +509,7 @@ class RealtimeSink(Node):
         if session is None:
             return
         now = time.monotonic()
+        session.forget_below(turn)
         with self._lock:
             self._open_turns = {t for t in self._open_turns if t >= turn}
             cut = [r for r in session.active() if r.turn < turn]

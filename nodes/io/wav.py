@@ -169,6 +169,7 @@ class WavSink(Node):
         self.output_dir, self.rate = output_dir, rate
         check_output_dir(output_dir)
         self._turns: dict[int, _Turn] = {}
+        self._heard: dict[int, str] = {}  # a speculative turn's transcript, until its turn is written
         self._stale_before = 0
         self._rows: TranscriptFile | None = None
 
@@ -178,7 +179,11 @@ class WavSink(Node):
 
     def process(self, port: str, msg: Message) -> None:
         if getattr(msg, "speculative", False):
-            return  # a speculative turn's transcript: its confirmation follows if the turn ends there
+            # a speculative turn's transcript: no row of its own (a withdrawn turn has none); a
+            # confirmed turn's reply can arrive in one burst from the gate before the confirmed
+            # transcript does, and its row takes the words from here
+            self._heard[msg.turn] = msg.text  # type: ignore[attr-defined]
+            return
         turn = self._turns.setdefault(msg.turn, _Turn())
         if isinstance(msg, AudioOut):
             if len(msg.pcm):
@@ -192,7 +197,7 @@ class WavSink(Node):
 
     def _complete(self, turn: _Turn) -> bool:
         wants_audio = "audio" in self.ctx.inputs_connected
-        return turn.audio_done if wants_audio else turn.agent_done
+        return turn.agent_done and (turn.audio_done or not wants_audio)
 
     def _write_ready(self, everything: bool = False) -> None:
         for n in sorted(self._turns):
@@ -204,6 +209,9 @@ class WavSink(Node):
     def _write(self, n: int, turn: _Turn) -> None:
         import soundfile as sf
 
+        if turn.user is None:
+            turn.user = self._heard.get(n)
+        self._heard = {t: text for t, text in self._heard.items() if t > n}
         conv = self.ctx.conversation or "conversation"
         wav = None
         if turn.audio:

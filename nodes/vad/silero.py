@@ -158,6 +158,16 @@ class SileroVAD(Node):
     def port_rate(self, port: str) -> int | None:
         return self.sample_rate
 
+    def set_turn_detection(self, *, threshold: float, min_silence_ms: int, speech_pad_ms: int) -> None:
+        """New turn settings for this session (a Realtime client's ``turn_detection``), checked by
+        the caller against the limits of ``__init__``; plain assignments, so a window being
+        decided may still see the old ones."""
+        rate = self.sample_rate
+        self.threshold, self._neg_threshold = threshold, max(threshold - 0.15, 0.01)
+        self.min_silence_ms, self._min_silence = min_silence_ms, rate * min_silence_ms // 1000
+        self.speech_pad_ms, self._pad = speech_pad_ms, rate * speech_pad_ms // 1000
+        self._preroll = deque(self._preroll, maxlen=self._preroll_len())  # the audio kept before speech
+
     # The ONNX session is shared by every session of the process; the recurrent state and
     # the stream (self._state, self._input ...) are per session, passed in on every run().
     shared_safety = "thread-safe: onnxruntime's InferenceSession.run may be called from many threads"

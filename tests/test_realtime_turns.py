@@ -1,0 +1,316 @@
+"""io=realtime: who ends a user turn and what starts a reply (manual turns, create_response=false,
+the VAD's settings from turn_detection), editing the conversation (conversation.item.delete,
+per-response instructions and modalities), and a client that stops reading.
+
+Real clients (the openai SDK, raw WebSockets) against the real offline stack, as in
+tests/test_realtime.py, whose helpers and llama-server fixture this module shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.test_realtime import (
+    STORY,
+    _collect,
+    _next,
+    _server,
+    appends,
+    llama,  # noqa: F401  (the module's llama-server fixture)
+    sdk,
+    serving,
+    spoken,
+    until,
+)
+
+websockets = pytest.importorskip("websockets")
+
+MARATHON = "How many kilometers are there in a marathon?"
+
+
+@pytest.fixture(scope="module")
+def served(llama, tmp_path_factory) -> Iterator[tuple[str, Any]]:  # noqa: F811
+    server = _server(llama, tmp_path_factory.mktemp("turns"))
+    url = server.start()
+    yield url, server
+    server.stop()
+
+
+def run(talk: Any, timeout: float = 300) -> Any:
+    """Run a client coroutine; a server that never answers fails the test instead of hanging it."""
+    return asyncio.run(asyncio.wait_for(talk, timeout))
+
+
+def types(events: list[Any]) -> list[str]:
+    return [e.type for e in events]
+
+
+async def _speak(conn: Any, pcm: bytes) -> None:
+    for chunk in appends(pcm):
+        await conn.input_audio_buffer.append(audio=chunk)
+
+
+# -- who ends a turn ------------------------------------------------------------------------
+
+
+def test_manual_turns_the_client_commits_clears_and_asks_for_the_reply(served):
+    url, _ = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            events = [await conn.recv()]
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            events += await _collect(conn, until_type="session.updated")
+            await conn.input_audio_buffer.commit(event_id="evt_empty")
+            events += await _collect(conn, until_type="error")
+            await _speak(conn, spoken(STORY))  # dropped by the clear below
+            await conn.input_audio_buffer.clear()
+            events += await _collect(conn, until_type="input_audio_buffer.cleared")
+            await _speak(conn, spoken(MARATHON))
+            await conn.input_audio_buffer.commit()
+            events += await _collect(conn, until_type="conversation.item.input_audio_transcription.completed")
+            asked = len(events)
+            await conn.response.create()
+            return events, asked, await _collect(conn)
+
+    events, asked, reply = run(talk())
+    assert events[1].type == "session.updated" and events[1].session.audio.input.turn_detection is None
+    empty = next(e for e in events if e.type == "error")
+    assert empty.error.code == "input_audio_buffer_commit_empty" and empty.error.event_id == "evt_empty"
+    everything = types(events + reply)
+    assert "input_audio_buffer.speech_started" not in everything, "no VAD turns: the client ends them"
+    committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+    heard = events[-1]
+    assert heard.item_id == committed.item_id and "marathon" in heard.transcript.lower()
+    assert "dragon" not in heard.transcript.lower(), "the cleared audio is gone"
+    assert everything.count("response.created") == 1 and everything.index("response.created") >= asked, \
+        "the committed turn waited for response.create"
+    assert "error" not in types(reply) and reply[-1].response.status == "completed"
+    assert reply[-1].response.output[0].content[0].transcript.strip()
+
+
+def test_a_turn_the_vad_ends_waits_for_response_create_when_create_response_is_false(served):
+    url, _ = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "create_response": False}}}})
+            events = await _collect(conn, until_type="session.updated")
+            await _speak(conn, spoken(MARATHON))
+            events += await _collect(conn, until_type="conversation.item.input_audio_transcription.completed")
+            asked = len(events)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            return events, asked, await _collect(conn)
+
+    events, asked, reply = run(talk())
+    assert events[0].session.audio.input.turn_detection.create_response is False
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed"):
+        assert kind in types(events), kind
+    assert "marathon" in events[-1].transcript.lower()
+    everything = types(events + reply)
+    assert everything.count("response.created") == 1 and everything.index("response.created") >= asked
+    assert "response.output_audio.delta" not in types(reply), "text only, as this response asked"
+    assert reply[-1].response.status == "completed" and reply[-1].response.output[0].content[0].text.strip()
+
+
+def test_turn_detection_settings_drive_the_sessions_vad(served):
+    """A 1 s pause inside the question: with silence_duration_ms=1500 it is still one turn, one
+    user item (where the VAD speculates at the pause, the turn that goes on is that same item)."""
+    url, server = served
+    pcm = spoken("What is the weather like in Paris?", tail_s=1.0) + spoken("And in London tomorrow?", lead_s=0.0,
+                                                                           tail_s=2.2)
+
+    async def talk():
+        async with sdk(url) as conn:
+            created = await conn.recv()
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "threshold": 1.5}}}}, event_id="evt_bad")
+            refused = await _collect(conn, until_type="error")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "threshold": 0.6, "silence_duration_ms": 1500}}}})
+            updated = await _collect(conn, until_type="session.updated")
+            await _speak(conn, pcm)
+            heard = await _collect(conn, until_type="conversation.item.input_audio_transcription.completed")
+            return created, refused[-1], updated[-1], heard
+
+    created, refused, updated, heard = run(talk())
+    vad = server.make_graph().nodes["vad"].node
+    start = created.session.audio.input.turn_detection
+    assert (start.threshold, start.silence_duration_ms, start.prefix_padding_ms) == (
+        vad.threshold, vad.min_silence_ms, vad.speech_pad_ms), "the session starts with what its VAD does"
+    assert refused.error.code == "invalid_value" and refused.error.event_id == "evt_bad"
+    settings = updated.session.audio.input.turn_detection
+    assert (settings.threshold, settings.silence_duration_ms) == (0.6, 1500)
+    assert types(heard).count("input_audio_buffer.speech_started") == 1, "the 1 s pause did not end the turn"
+    assert len({e.item_id for e in heard if e.type.startswith("input_audio_buffer.") and hasattr(e, "item_id")}) == 1
+    transcript = heard[-1].transcript.lower()
+    assert "paris" in transcript and "london" in transcript
+
+
+def test_prefix_padding_starts_the_turns_audio_before_the_speech(llama, tmp_path):  # noqa: F811
+    lead_s = 0.8
+
+    async def talk(url):
+        async with sdk(url) as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "prefix_padding_ms": 400}}}})
+            updated = await _collect(conn, until_type="session.updated")
+            await _speak(conn, spoken("What is the capital of France?", lead_s=lead_s))
+            return updated[-1], await _collect(conn, until_type="input_audio_buffer.speech_started")
+
+    with serving(llama, tmp_path, "vad.speculate_ms=0") as (url, _):  # speculating, the VAD pads less
+        updated, heard = run(talk(url))
+    assert updated.session.audio.input.turn_detection.prefix_padding_ms == 400
+    assert heard[-1].audio_start_ms <= lead_s * 1000 - 250, "the turn's audio starts 400 ms before the speech"
+
+
+# -- what a response is made of ---------------------------------------------------------------
+
+
+def _texts(messages: list[dict[str, Any]]) -> str:
+    return json.dumps(messages)
+
+
+def test_per_response_instructions_and_modalities_apply_to_that_response_only(served):
+    url, server = served
+    special = "You are a pirate. Answer every question in the voice of a pirate."
+
+    async def talk():
+        async with sdk(url) as conn:
+            created = await conn.recv()
+            conversation = server.sessions[created.session.id].llm.conversation
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create(response={"instructions": special, "output_modalities": ["text"]})
+            first = await _collect(conn)
+            during = conversation.messages()[0]  # the request for that response
+            await conn.conversation.item.create(item={**item, "content": [{"type": "input_text",
+                                                                          "text": "And goodbye."}]})
+            await conn.response.create()
+            second = await _collect(conn)
+            after = conversation.messages()[0]
+            return created, first, during, second, after
+
+    created, first, during, second, after = run(talk())
+    assert during == {"role": "system", "content": special}
+    assert after == {"role": "system", "content": created.session.instructions}, "the session's instructions again"
+    assert "response.output_text.delta" in types(first) and "response.output_audio.delta" not in types(first)
+    assert "response.output_audio.delta" in types(second), "the session's modalities again"
+    assert first[-1].response.status == second[-1].response.status == "completed"
+
+
+def test_deleted_items_leave_the_conversation_the_llm_sees(served):
+    url, server = served
+
+    def said(text: str, item_id: str) -> dict[str, Any]:
+        return {"id": item_id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    async def talk():
+        async with sdk(url) as conn:
+            created = await conn.recv()
+            conversation = server.sessions[created.session.id].llm.conversation
+            await conn.conversation.item.create(item=said("My favourite colour is turquoise.", "item_colour"))
+            await conn.response.create(response={"output_modalities": ["text"]})
+            colour = (await _collect(conn))[-1]
+            await conn.conversation.item.create(item=said("I live in Lisbon.", "item_city"))
+            await conn.response.create(response={"output_modalities": ["text"]})
+            await _collect(conn)
+            await conn.conversation.item.delete(item_id=colour.response.output[0].id)  # the reply to the colour
+            events = await _collect(conn, until_type="conversation.item.deleted")
+            no_reply = conversation.messages()
+            await conn.conversation.item.delete(item_id="item_colour")
+            events += await _collect(conn, until_type="conversation.item.deleted")
+            no_colour = conversation.messages()
+            await conn.conversation.item.delete(item_id="item_nope", event_id="evt_del")
+            events += await _collect(conn, until_type="error")
+            await conn.conversation.item.create(item=said("Never mind.", "item_pending"))
+            await conn.conversation.item.delete(item_id="item_pending")
+            await conn.response.create(event_id="evt_nothing")  # the only new message was deleted
+            events += await _collect(conn, until_type="error")
+            return colour, no_reply, no_colour, events
+
+    colour, no_reply, no_colour, events = run(talk())
+    reply = json.dumps(colour.response.output[0].content[0].text.strip())[1:-1]
+    assert reply and "turquoise" in _texts(no_reply) and "Lisbon" in _texts(no_reply)
+    assert reply not in _texts(no_reply), "the deleted reply"
+    assert "turquoise" not in _texts(no_colour) and "Lisbon" in _texts(no_colour)
+    deleted = [e.item_id for e in events if e.type == "conversation.item.deleted"]
+    assert deleted[1:] == ["item_colour", "item_pending"]
+    errors = [e.error for e in events if e.type == "error"]
+    assert (errors[0].code, errors[0].event_id) == ("item_not_found", "evt_del")
+    assert errors[1].event_id == "evt_nothing"
+
+
+# -- a client that stops reading -------------------------------------------------------------
+
+
+def _slow_reader(url: str):
+    """A raw client whose socket takes in little: when it stops reading, the server's writes wait."""
+    from websockets.sync.client import connect
+
+    host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    return connect(f"{url}/realtime", sock=sock, open_timeout=10, max_queue=1)
+
+
+def _dropped(server: Any) -> float:
+    return server.metrics.registry.get_sample_value("s2s_sessions_dropped_total", {"reason": "send_queue_full"}) or 0
+
+
+def _ask_for_a_long_reply(ws: Any) -> None:
+    _next(ws, "session.created")
+    for chunk in appends(spoken(STORY)):
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+
+
+def test_a_client_that_stops_reading_is_told_and_closed_when_its_queue_is_full(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=65536") as (url, server):
+        before = {t.ident for t in threading.enumerate()}
+        with _slow_reader(url) as ws:
+            _ask_for_a_long_reply(ws)  # ... and read no more until the server gives up on us
+            until(lambda: _dropped(server) == 1, timeout=120, what="the server to close the session")
+            received = []
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                while True:
+                    received.append(json.loads(ws.recv(timeout=30)))
+        assert received[-1]["type"] == "error" and received[-1]["error"]["code"] == "send_queue_full"
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+        until(lambda: server.open == 0 and not server.sessions, what="the session to end")
+        until(lambda: not [t for t in threading.enumerate() if t.ident not in before],
+              what="the session's threads to end")
+
+
+def test_a_client_that_never_reads_again_does_not_keep_its_socket(llama, tmp_path, monkeypatch):  # noqa: F811
+    import psutil
+
+    from nodes.io import _realtime_app
+
+    monkeypatch.setattr(_realtime_app, "CLOSE_GRACE_S", 0.5)
+    me = psutil.Process()
+    with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=65536") as (url, server), \
+            _slow_reader(url) as ws:
+        mine = ws.socket.getsockname()[1]
+
+        def held() -> bool:  # the server's end of this client's connection, still open in this process
+            return any(c.raddr and c.raddr.port == mine for c in me.net_connections("tcp"))
+
+        _ask_for_a_long_reply(ws)
+        until(lambda: _dropped(server) == 1 and server.open == 0, timeout=120, what="the session to end")
+        until(lambda: not held(), what="the server to let go of the client's socket")
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+            while True:
+                ws.recv(timeout=30)
+        assert closed.value.rcvd is None or closed.value.rcvd.code == 1008
