@@ -88,6 +88,20 @@ def test_a_turn_that_goes_on_after_a_withdrawn_speculation_stays_one_user_item(t
     assert session.answering == 3
 
 
+def test_a_continuation_whose_start_was_flushed_by_the_withdrawal_announces_the_speech(tmp_path):
+    """The VAD's SpeechStarted(2) can still be on its way when the withdrawal's interrupt (turn 3)
+    flushes it as stale: the continuation is then the first the sink hears of the user speaking."""
+    sink, session, wire = _sink(tmp_path)
+    sink.process("started", SpeechStarted(turn=1, start=0.2))
+    sink.process("speech", _speech(1))
+    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    sink.process("agent", TextDelta(turn=1, text="Once upon a time"))
+    sink.process("started", SpeechStarted(turn=3, start=3.0, continues=2))  # turn 2's start never came
+    started = wire.of("input_audio_buffer.speech_started")
+    assert len(started) == 2 and started[1]["item_id"] == session.user_item(3)
+    assert wire.interrupts == [(3, "barge-in")]  # the reply under way is cut as by any new speech
+
+
 def test_partial_transcription_deltas_carry_over_to_the_continuing_turn(tmp_path):
     sink, _, wire = _sink(tmp_path)
     sink.process("started", SpeechStarted(turn=1, start=0.0))

@@ -306,6 +306,7 @@ class RealtimeSink(Node):
         self._speech_end: dict[int, float] = {}
         self._open_turns: set[int] = set()  # user turns whose reply is not done
         self._said: dict[int, str] = {}  # per user turn: the transcript sent so far as deltas
+        self._announced: dict[int, None] = {}  # user turns whose speech_started went out (recent ones)
 
     def setup(self) -> None:
         assert self.session is not None, "the server binds a session before the graph runs"
@@ -323,7 +324,14 @@ class RealtimeSink(Node):
     # withdrawn speculation is the same user item (the gate before this sink holds the replies).
 
     def _started(self, session: Session, msg: SpeechStarted) -> None:
-        if msg.continues:  # the same utterance, going on: no new item, no new barge-in
+        with self._lock:
+            announced = msg.continues in self._announced
+            self._announced[msg.turn] = None
+            for old in list(self._announced)[: -_REMEMBERED_TURNS]:
+                del self._announced[old]
+        # the same utterance, going on: no new item, no new barge-in. Unless its start was never
+        # announced: the withdrawal's interrupt flushed that SpeechStarted before it got here
+        if msg.continues and announced:
             session.continue_item(msg.turn, msg.continues)
             with self._lock:
                 if msg.continues in self._said:
