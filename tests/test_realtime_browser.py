@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.support.managed import stop
 from tests.support.speech import synthesize
 
 pytest.importorskip("starlette", reason="pip install 's2s-flow[serve]'")
@@ -93,11 +94,7 @@ def test_the_browser_page_hears_the_microphone_and_plays_the_reply(llama, tmp_pa
             time.sleep(0.1)
         state = _page_state(int(port_file.read_text().split()[0]), page_url, deadline)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         server.stop()
     assert "marathon" in state["userTranscripts"][0].lower()
     assert state["playedSamples"] > 0 and state["agentTranscripts"][0].strip()

@@ -25,6 +25,7 @@ from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Speech
 from s2s_flow.node import Context
 from tests.support.http_fixture import Reply, Request, free_port, http_server, parse_multipart
+from tests.support.managed import stop
 from tests.support.speech import QUESTIONS, synthesize
 from tests.support.wer import word_errors
 
@@ -75,11 +76,7 @@ def whisper_server(tmp_path_factory) -> Iterator[str]:
                 time.sleep(0.2)
         yield f"{base}/v1"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_a_real_openai_compatible_server_transcribes_utterances(whisper_server, tmp_path):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from nodes.vad.silero import SileroVAD
+from s2s_flow import node
 from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
-from s2s_flow import node
 from s2s_flow.node import Context
 from tests.support.speech import speech_with_pauses
 

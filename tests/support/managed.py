@@ -45,6 +45,16 @@ def processes_with(needle: str) -> list[tuple[int, str]]:
     return found
 
 
+def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Terminate a child process; kill it if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_until(check: Callable[[], object], timeout: float, step: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

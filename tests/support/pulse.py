@@ -36,6 +36,7 @@ import pytest
 from nodes._playback import playback_of
 from s2s_flow.messages import AudioChunk
 from s2s_flow.node import Node
+from tests.support.managed import stop
 from tests.support.servers import die_with_parent
 
 __all__ = ["PulseServer", "pulse_server", "Recorder", "Speaker", "ScriptedUser", "BargeInRun", "run_barge_in",
@@ -139,12 +140,7 @@ def pulse_server(sinks: Sequence[str] = ("s2s",), *, rate: int = 48000) -> Itera
             else:
                 os.environ[key] = value
         # Streams must be closed before this point: PortAudio hangs terminating one whose server is gone.
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, 5)
         shutil.rmtree(root, ignore_errors=True)
 
 
