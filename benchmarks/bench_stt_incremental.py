@@ -1,6 +1,6 @@
 """STT while the user speaks: the final transcript decoded at the pauses vs the whole utterance at once.
 
-    python benchmarks/bench_stt_incremental.py [--speculate-ms 200] [--out FILE.json]
+    python benchmarks/bench_stt_incremental.py [--speculate-ms 200] [--window-s 30] [--beam-size 1] [--out FILE.json]
 
 Deterministic Piper speech (tests/support/speech.py) through vad=silero with speculation on
 (``vad.speculate_ms``), fed in 20 ms chunks in stream time, then stt=whisper (tiny.en) two ways
@@ -86,6 +86,8 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--speculate-ms", type=int, default=200)
+    ap.add_argument("--window-s", type=float, default=30.0, help="stt.window_s (Whisper's encoder window)")
+    ap.add_argument("--beam-size", type=int, default=1, help="stt.beam_size")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -100,7 +102,7 @@ def main() -> None:
     vad = SileroVAD(speculate_ms=args.speculate_ms)
     vad.ctx = ctx
     vad.setup()
-    stt = WhisperSTT()
+    stt = WhisperSTT(window_s=args.window_s, beam_size=args.beam_size)
     stt.ctx = Context("stt", Path("."))
     stt.setup()
 

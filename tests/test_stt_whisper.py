@@ -57,6 +57,61 @@ def test_vad_then_whisper_transcribes_twenty_requests_with_low_word_error_rate(w
     assert score <= 0.05, (score, [t.text for t in transcripts])
 
 
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory) -> WhisperSTT:
+    """A 10 s encoder window with beam 3, as recipe=local_cpu runs it (the model is shared)."""
+    stt = WhisperSTT(window_s=10, beam_size=3)
+    stt.ctx = Context("stt", tmp_path_factory.mktemp("stt"))
+    stt.setup()
+    return stt
+
+
+def test_a_ten_second_window_transcribes_the_twenty_requests_as_well(windowed, tmp_path):
+    pcm, _ = speech_with_pauses(SENTENCES, 16000, pause_s=1.2)
+    transcripts = [t for u in vad_utterances(pcm, 16000, tmp_path) for t in windowed.process("audio", u)]
+    score = wer(SENTENCES, [t.text for t in transcripts])
+    # measured: 5 errors in 190 words (2.6 %; 30 s greedy: 4), each request decoded in a 10 s window
+    assert score <= 0.05, (score, [t.text for t in transcripts])
+
+
+def test_a_windowed_decode_that_would_loop_is_decoded_in_thirty_seconds(windowed, monkeypatch):
+    import nodes.stt.whisper as module
+
+    text = "Please explain how a steam engine works, from the fire to the turning wheels."
+    pcm = synthesize(text)
+    assert windowed._decode_window(pcm, None) is not None  # a plain windowed decode
+    monkeypatch.setattr(module, "MAX_TOKENS_PER_S", 0)  # at most 10 tokens: this sentence "loops"
+    assert windowed._decode_window(pcm, None) is None
+    heard, _ = windowed.transcribe(pcm)
+    assert wer([text], [heard]) <= 0.15  # the whole sentence, from the standard 30 s decode
+
+
+def test_a_short_tail_after_its_prefix_is_not_read_twice(windowed):
+    # tiny.en in a 10 s window read this 1.3 s tail, after the passage so far as the prompt,
+    # as "What should I book first? What should I book first?" (bench_stt_incremental.py)
+    heard, _ = windowed.transcribe_after(
+        synthesize("What should I book first?"),
+        "I am planning the trip to Japan next spring. I would like to see Kyoto and Osaka.")
+    assert wer(["What should I book first?"], [heard]) == 0, heard
+
+
+@pytest.mark.parametrize(("text", "repeated"), [
+    ("What should I book first? What should I book first?", True),
+    ("What is it? What is it? What", True),
+    ("Hello? Hello?", False),  # one word said twice is speech, not a loop
+    ("I said what I said", False),
+])
+def test_a_phrase_said_twice_over_is_a_loop(text, repeated):
+    from nodes.stt.whisper import _repeats
+
+    assert _repeats(text) is repeated
+
+
+def test_silence_in_a_short_window_yields_nothing(windowed):
+    # 1 s of digital silence in a 10 s window reads "Thank you." (no-speech 0.95): decoded in 30 s
+    assert windowed.transcribe(np.zeros(16000, np.float32))[0] == ""
+
+
 def test_speech_at_8khz_is_resampled_for_whisper(whisper):
     text = "Turn off the lights in the kitchen."
     pcm = synthesize(text, 8000)
@@ -98,7 +153,8 @@ def test_a_local_model_directory_loads(tmp_path):
 @pytest.mark.parametrize(
     ("params", "option"),
     [({"language": "English"}, "stt.language"), ({"compute_type": "int4"}, "stt.compute_type"),
-     ({"device": "tpu"}, "stt.device"), ({"beam_size": 0}, "stt.beam_size")],
+     ({"device": "tpu"}, "stt.device"), ({"beam_size": 0}, "stt.beam_size"),
+     ({"window_s": 5}, "stt.window_s"), ({"window_s": 31}, "stt.window_s")],
 )
 def test_bad_parameters_are_config_errors_naming_the_option(params, option):
     with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
