@@ -224,7 +224,7 @@ def report(engine: list[dict[str, Any]], warmups: list[dict[str, Any]], drops: i
     print(f"turns measured: {len(engine)} (warm-up turns apart, voice-to-voice "
           f"{', '.join(str(w.get('voice_to_voice_ms')) for w in warmups)} ms); drops: {drops}")
     for key, label in (("voice_to_voice_ms", "voice-to-voice"), ("stage_vad_ms", "  VAD hangover"),
-                       ("stage_stt_ms", "  STT"), ("stage_llm_ms", "  LLM first sentence"),
+                       ("stage_stt_ms", "  STT"), ("stage_llm_ms", "  LLM to first words spoken"),
                        ("stage_tts_ms", "  TTS first audio"), ("ring_wait_ms", "  ring waits (engine)"),
                        ("llm_first_token_ms", "LLM first token (from end of speech)")):
         xs = [t[key] for t in engine if t[key] is not None]

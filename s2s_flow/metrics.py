@@ -41,7 +41,7 @@ SCHEMA = 1
 
 #: Stage roles on the critical path, the message type that identifies each, the mark
 #: its critical output carries. The LLM's critical output is its first sentence: TTS
-#: speaks whole sentences.
+#: speaks whole sentences (a first clause may go sooner: the TTS's ``tts_start`` event).
 _ROLES: tuple[tuple[str, type, str], ...] = (
     ("vad", Speech, "speech_end"),
     ("stt", Transcript, "transcript_final"),
@@ -69,7 +69,7 @@ MILESTONES: tuple[tuple[str, str], ...] = (
 STAGES: tuple[tuple[str, str], ...] = (
     ("stage_vad_ms", "VAD hangover + decision"),
     ("stage_stt_ms", "STT"),
-    ("stage_llm_ms", "LLM to first sentence"),
+    ("stage_llm_ms", "LLM to the first words spoken"),
     ("stage_tts_ms", "TTS to first audio"),
     ("stage_gate_ms", "held until the turn is confirmed"),
     ("ring_wait_ms", "ring wait on the critical path"),
@@ -106,10 +106,14 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
     tool_calls = [e for e in events if e.get("kind") == "tool_call"]
     conversations = data.get("conversations", {})
     speculations = _speculations(events)
+    spoken: dict[int, float] = {}  # per turn: when TTS took the reply's first words (a clause, or the sentence)
+    for e in events:
+        if e.get("kind") == "tts_start":
+            spoken.setdefault(e.get("turn"), e["t"])
 
     turn_ids = sorted({int(t) for table in nodes.values() for t in table if int(t) > 0})
-    turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), ""), speculations.get(t))
-             for t in turn_ids]
+    turns = [_turn(nodes, roles, chain, t, interrupts, conversations.get(str(t), ""), speculations.get(t),
+                   spoken.get(t)) for t in turn_ids]
     for row in turns:
         _tool_time(row, [e for e in tool_calls if e.get("turn") == row["turn"]])
     # what ended each turn, where a turn detector says (vad.turn=smart_turn: the model, or the fallback)
@@ -195,7 +199,7 @@ def _roles_from_marks(nodes: Mapping[str, Mapping[str, Any]]) -> dict[str, list[
 
 def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]], chain: list[str],
           turn: int, interrupts: list[dict[str, Any]], conversation: str,
-          speculation: Mapping[str, Any] | None = None) -> dict[str, Any]:
+          speculation: Mapping[str, Any] | None = None, spoken: float | None = None) -> dict[str, Any]:
     key = str(turn)
     recs = {name: table[key] for name, table in nodes.items() if key in table}
 
@@ -244,6 +248,12 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
             t_in = recs[node]["marks"].get("in:" + prev_mark) if node else None
             if role == "gate" and t_in is not None:
                 t_out = _released(recs[node], t_in, t_out, vad_emit)
+            # the LLM's part ends, and the TTS's begins, when TTS took the first words: with
+            # tts.first_clause_words that is a clause, before the first sentence's mark
+            if role == "llm" and spoken is not None and t_in is not None:
+                t_out = spoken
+            if role == "tts" and spoken is not None:
+                t_in = spoken
             if t_in is None or t_out is None:
                 prev_mark = ""
                 break
@@ -401,7 +411,7 @@ def _fmt(v: float | None) -> str:
 
 
 #: the parts of the critical path in the charts (timeline.png, sweep.png): part -> (label, colour)
-PARTS = {"vad": ("VAD hangover", "#9ecae1"), "stt": ("STT", "#3182bd"), "llm": ("LLM to first sentence", "#e6550d"),
+PARTS = {"vad": ("VAD hangover", "#9ecae1"), "stt": ("STT", "#3182bd"), "llm": ("LLM to the first words spoken", "#e6550d"),
          "tts": ("TTS to first audio", "#31a354"), "gate": ("held until confirmed", "#fdd0a2"),
          "ring": ("rings", "#bdbdbd")}
 

@@ -51,7 +51,7 @@ PACKAGES = ("s2s-flow", "hydra-core", "omegaconf", "numpy", "onnxruntime", "sile
 
 #: Columns of the per-stage figures, in table order: (job.json key, column title).
 STAGE_COLUMNS = (("voice_to_voice", "voice-to-voice"), ("stage_vad", "VAD"), ("stage_stt", "STT"),
-                 ("stage_llm", "LLM 1st sentence"), ("stage_tts", "TTS 1st audio"),
+                 ("stage_llm", "LLM 1st words"), ("stage_tts", "TTS 1st audio"),
                  ("stage_gate", "held"), ("ring_wait", "rings"))
 
 _jobs_in_process = 0  # jobs started in this process: more than one means a reused process

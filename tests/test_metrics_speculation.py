@@ -131,6 +131,20 @@ def test_a_held_reply_starts_at_the_speculation_and_its_hold_is_a_part_of_its_ow
                                                      "gate", "ring"]
 
 
+def test_a_first_clause_spoken_before_the_sentence_moves_the_split_between_llm_and_tts():
+    """tts.first_clause_words: TTS starts on a clause (its ``tts_start`` event, at +460 ms) before
+    the LLM's first sentence mark (+550): the LLM's part ends there, never a negative TTS part."""
+    trace = new_trace()
+    speculated_turn(trace, 1, 10.0, confirm=0.8)
+    trace.events.append({"kind": "tts_start", "t": 10.46, "node": "tts", "turn": 1, "words": 4})
+    (turn,) = metrics.report(trace, {}, graph_with_gate())["turns"]
+    assert turn["stage_llm_ms"] == pytest.approx(109.0)  # from the transcript's arrival at +351
+    assert turn["stage_tts_ms"] == pytest.approx(190.0)  # from +460 to the first audio at +650
+    assert turn["llm_first_sentence_ms"] == pytest.approx(550.0)  # the milestone itself is unchanged
+    parts = sum(turn[f"stage_{r}_ms"] for r in ("vad", "stt", "llm", "tts", "gate")) + turn["ring_wait_ms"]
+    assert parts == pytest.approx(turn["voice_to_voice_ms"])
+
+
 def test_a_reply_confirmed_before_its_audio_is_not_held():
     trace = new_trace()
     speculated_turn(trace, 1, 10.0, confirm=0.5)  # the gate let the text go at +504; audio passes at once

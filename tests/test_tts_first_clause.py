@@ -51,6 +51,30 @@ def test_the_first_clause_is_cut_after_its_punctuation_once_it_has_enough_words(
     assert text[: first_clause(text, 4)] == clause
 
 
+@pytest.mark.parametrize(("text", "clause"), [
+    ("A good book for a long train ride is The", "A good book for a long train ride"),  # 8 words
+    ("A good book for a long train ride", ""),  # the 8th word may still go on ("rider")
+    ("The capital of Australia is Canberra, which", "The capital of Australia is Canberra,"),
+    ("Sure, the capital city of Australia is Canberra and", "Sure, the capital city of Australia is Canberra"),
+])
+def test_a_first_sentence_with_no_comma_is_cut_after_the_most_words(text, clause):
+    assert text[: first_clause(text, 4, 8)] == clause
+
+
+def test_the_cap_releases_a_long_first_sentence_and_the_tts_start_event_marks_it(tmp_path):
+    events: list[tuple[str, dict]] = []
+    node = EspeakTTS(first_clause_words=4, first_clause_max_words=5)
+    node.ctx = Context("tts", tmp_path, record=lambda kind, **f: events.append((kind, f)))
+    node.setup()
+    deltas = ["The sky looks blue", " because air scatters", " blue light more.", ""]
+    out = []
+    for i, text in enumerate(deltas):
+        msg = TextDelta(turn=3, text=text, sentence_end=i == 2, end=i == 3)
+        out += [(i, a.text) for a in node.process("text", msg) if len(a.pcm)]
+    assert sorted(set(out)) == [(1, "The sky looks blue because"), (2, "air scatters blue light more.")]
+    assert events == [("tts_start", {"node": "tts", "turn": 3, "words": 5})]  # once per reply, the first words
+
+
 def test_the_first_clause_goes_ahead_of_its_sentence_and_the_rest_sentence_by_sentence(tmp_path):
     assert spoken(make(tmp_path, first_clause_words=4)) == [
         (3, "The capital of Australia is Canberra,"),  # released by the delta after the comma
@@ -82,3 +106,9 @@ def test_an_interrupted_first_clause_is_never_spoken(tmp_path):
 def test_a_negative_word_count_is_a_config_error_naming_the_option():
     with pytest.raises(ConfigError, match=r"tts\.first_clause_words"):
         EspeakTTS(first_clause_words=-1)
+
+
+@pytest.mark.parametrize("params", [{"first_clause_max_words": 8}, {"first_clause_words": 4, "first_clause_max_words": 3}])
+def test_a_cap_without_the_first_clause_or_below_it_is_a_config_error(params):
+    with pytest.raises(ConfigError, match=r"tts\.first_clause_max_words"):
+        EspeakTTS(**params)

@@ -6,7 +6,10 @@ A backend subclasses :class:`SentenceTTS` and implements ``setup()`` (load the e
 resamples to the node's output rate, cuts the audio into short chunks so a barge-in
 stops playback quickly, and closes each reply with an empty ``AudioOut(end=True)``.
 With ``first_clause_words`` the first clause of a reply ("The capital is Canberra,") goes
-ahead of the rest of its sentence, so the first audio does not wait for a full stop.
+ahead of the rest of its sentence, so the first audio does not wait for a full stop; with
+``first_clause_max_words`` a first sentence with no comma in sight is cut after that many words.
+The first text of each reply sent to synthesis is a ``tts_start`` trace event: where the
+LLM's part of the critical path ends and the TTS's begins (s2s_flow/metrics.py).
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 _CLAUSE_END = re.compile(r"[,;:\u2013\u2014](?=\s)|\s-(?=\s)")
 
 
-def first_clause(text: str, min_words: int) -> int:
-    """Length of the leading clause of ``text`` that has at least ``min_words`` words, or 0."""
+def first_clause(text: str, min_words: int, max_words: int = 0) -> int:
+    """Length of the leading clause of ``text`` that has at least ``min_words`` words, or of its
+    first ``max_words`` words once the word after them has begun (so the last one is whole); 0
+    while neither is there."""
     for match in _CLAUSE_END.finditer(text):
         if len(text[: match.start()].split()) >= min_words:
             return match.end()
+    if max_words:
+        words = list(re.finditer(r"\S+", text))
+        if len(words) > max_words:
+            return words[max_words - 1].end()
     return 0
 
 
@@ -51,7 +60,8 @@ class SentenceTTS(Node):
     #: longest AudioOut chunk in seconds: downstream can cut playback at this granularity
     max_chunk_s: ClassVar[float] = 0.5
 
-    def __init__(self, *, sample_rate: int | None = None, first_clause_words: int = 0, threads: int = 0) -> None:
+    def __init__(self, *, sample_rate: int | None = None, first_clause_words: int = 0,
+                 first_clause_max_words: int = 0, threads: int = 0) -> None:
         if sample_rate is not None and not 8000 <= sample_rate <= 192_000:
             raise ConfigError(
                 f"tts.sample_rate={sample_rate} is not a usable audio rate: give a rate in Hz "
@@ -63,11 +73,17 @@ class SentenceTTS(Node):
                 f"tts.first_clause_words={first_clause_words} must be >= 0: the fewest words of a "
                 "reply's first clause spoken ahead of its sentence (0: whole sentences only; e.g. 4)."
             )
+        if first_clause_max_words and not 0 < first_clause_words <= first_clause_max_words:
+            raise ConfigError(
+                f"tts.first_clause_max_words={first_clause_max_words} with tts.first_clause_words="
+                f"{first_clause_words}: the cap needs the first clause on (first_clause_words > 0) and "
+                "at least as many words as it (e.g. 4 and 8), or 0 to wait for punctuation.")
         if threads < 0:
             raise ConfigError(f"tts.threads={threads} must be >= 0: CPU threads of the synthesizer's own "
                               "pool (0: its default, one per core).")
         self.sample_rate = sample_rate
         self.first_clause_words = first_clause_words
+        self.first_clause_max_words = first_clause_max_words
         #: CPU threads of the synthesizer's own pool (piper's onnxruntime), 0 = its default; a CPU
         #: budget keeps TTS off the cores the LLM generates on. Engines without a pool ignore it.
         self.threads = threads
@@ -77,6 +93,7 @@ class SentenceTTS(Node):
         self._pending_turn: int | None = None  # turn of a reply that started and has not ended
         self._cut_turn = -1  # turns below this were interrupted
         self.speaking_turn = 0  # turn of the sentence being synthesized
+        self._started_turn: int | None = None  # the last reply whose first text went to synthesis
 
     # -- what a backend implements -------------------------------------------------------
 
@@ -121,7 +138,8 @@ class SentenceTTS(Node):
             if speakable(sentence):
                 self._clause_open = False
                 yield from self._speak(sentence, msg.turn)
-        elif self._clause_open and (cut := first_clause(self._pending, self.first_clause_words)):
+        elif self._clause_open and (cut := first_clause(self._pending, self.first_clause_words,
+                                                        self.first_clause_max_words)):
             clause, self._pending = self._pending[:cut].strip(), self._pending[cut:]
             self._clause_open = False
             yield from self._speak(clause, msg.turn)
@@ -157,6 +175,9 @@ class SentenceTTS(Node):
 
     def _speak(self, sentence: str, turn: int) -> Iterator[AudioOut]:
         self.speaking_turn = turn
+        if self._started_turn != turn:  # the reply's first words: the LLM's part ends here
+            self._started_turn = turn
+            self.ctx.record("tts_start", turn=turn, words=len(sentence.split()))
         rate_out = self._out_rate()
         resample: StreamResampler | None = None
         pieces = self.synthesize(sentence)

@@ -48,9 +48,11 @@ class Qwen3TTS(SentenceTTS):
         chunk_frames: int = 4,
         sample_rate: int | None = None,
         first_clause_words: int = 0,
+        first_clause_max_words: int = 0,
         threads: int = 0,
     ) -> None:
-        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words, threads=threads)
+        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
+                         first_clause_max_words=first_clause_max_words, threads=threads)
         if backend not in _BACKENDS:
             raise ConfigError(f"tts.backend={backend!r}: choose cuda (faster-qwen3-tts, NVIDIA GPU), mlx "
                               "(mlx-audio, Apple Silicon), ggml (qwentts.cpp) or auto (mlx on Apple Silicon, "
