@@ -31,7 +31,7 @@ from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_delt
 from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message, TextDelta
-from s2s_flow.node import Node, require
+from s2s_flow.node import Node, require, shared
 
 __all__ = ["RemoteError", "RemoteRefused", "StreamBroken", "Aborted", "RemoteClient", "RemoteLLM",
            "DEFAULT_BASE_URL"]
@@ -219,10 +219,15 @@ class RemoteClient:
         """
         httpx = self._httpx = require("httpx", "remote")
         headers = {"Authorization": f"Bearer {self._key.reveal()}"} if self._key else {}
+        trust_env = not self.loopback  # an http_proxy from the environment must not catch 127.0.0.1
+        # The TLS context (the CA bundle, ~15 ms of CPU to load) is the process's, not each
+        # session's; the connection is the session's own.
+        tls = shared((__name__, "tls", trust_env), lambda: httpx.create_ssl_context(trust_env=trust_env))
         # One connection: requests are sequential, and abort() then knows which socket to cut.
         self._http = httpx.Client(
             headers=headers,
-            trust_env=not self.loopback,  # an http_proxy from the environment must not catch 127.0.0.1
+            verify=tls,
+            trust_env=trust_env,
             timeout=httpx.Timeout(self.read_timeout, connect=self.connect_timeout),
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
         )

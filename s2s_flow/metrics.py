@@ -411,7 +411,8 @@ def _fmt(v: float | None) -> str:
 
 
 #: the parts of the critical path in the charts (timeline.png, sweep.png): part -> (label, colour)
-PARTS = {"vad": ("VAD hangover", "#9ecae1"), "stt": ("STT", "#3182bd"), "llm": ("LLM to the first words spoken", "#e6550d"),
+PARTS = {"vad": ("VAD hangover", "#9ecae1"), "stt": ("STT", "#3182bd"),
+         "llm": ("LLM to the first words spoken", "#e6550d"),
          "tts": ("TTS to first audio", "#31a354"), "gate": ("held until confirmed", "#fdd0a2"),
          "ring": ("rings", "#bdbdbd")}
 

@@ -1,7 +1,9 @@
 """Runs a validated graph: one thread per node, bounded rings between them.
 
 Life of a run:
-1. every node's ``setup()`` runs in parallel, with a live progress line;
+1. every node's ``setup()`` runs in parallel, with a live progress line; then the garbage
+   collector is settled for the run (unless ``own_gc=False``: it acts on the whole process,
+   so a server running many sessions at once settles it itself, once);
 2. for each conversation the source offers (``sessions()``: one per input file), the
    nodes are ``reset()``, fresh rings are wired and one thread per node moves data;
    end of stream closes the source's rings and drains the graph in order, so the
@@ -103,8 +105,10 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(self, graph: Graph, run_dir: Path, *, console: Any = None, trace: Trace | None = None):
+    def __init__(self, graph: Graph, run_dir: Path, *, console: Any = None, trace: Trace | None = None,
+                 own_gc: bool = True):
         self.graph, self.run_dir, self.console = graph, Path(run_dir), console
+        self.own_gc = own_gc  # the run may collect and freeze the process's garbage (it is the only one)
         self.trace = trace or Trace()
         self.ring_stats: dict[str, dict[str, Any]] = {}
         self._epoch = 0
@@ -178,8 +182,9 @@ class Scheduler:
             # Loading models leaves much garbage and many long-lived objects: collect it now,
             # not during the first turn, and keep what setup built out of later collections,
             # so a collection mid-conversation stays short.
-            gc.collect()
-            gc.freeze()
+            if self.own_gc:
+                gc.collect()
+                gc.freeze()
             source = self._driver()
             sessions = source.node.sessions() if source else [""]
             for i, name in enumerate(sessions):
@@ -190,7 +195,8 @@ class Scheduler:
             return self.trace
         finally:
             try:
-                gc.unfreeze()
+                if self.own_gc:
+                    gc.unfreeze()
                 self._close_all()
             finally:
                 restore()

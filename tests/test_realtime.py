@@ -200,6 +200,25 @@ def test_openai_sdk_text_item_and_response_create(served):
     assert audio_events[-1].response.status == "completed" and len(audio) > RATE  # > 0.5 s of PCM16
 
 
+def test_sessions_leave_the_garbage_collector_as_the_server_settled_it(served):
+    """The server collects and freezes once, after loading its models. A session does neither
+    (a full collection stops every thread: the other sessions' turns), nor unfreezes at its end."""
+    url, server = served
+    frozen = gc.get_freeze_count()
+    assert frozen > 0, "the server froze what it loaded"
+
+    async def talk():
+        async with sdk(url) as conn:
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Say hello."}]})
+            await conn.response.create(response={"output_modalities": ["text"]})
+            return await _collect(conn)
+
+    assert asyncio.run(talk())[-1].response.status == "completed"
+    until(lambda: server.open == 0, what="the session to end")
+    assert gc.get_freeze_count() == frozen
+
+
 def test_barge_in_cancels_the_reply_and_truncate_cuts_it(llama, tmp_path):
     # A long reply (up to 200 tokens: seconds of generation and synthesis), cut as soon as it starts:
     # the user's new speech is confirmed by the VAD within a few hundred milliseconds.
@@ -393,11 +412,15 @@ def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_mode
 
     held = [speech._voice, tts_checks._whisper() if tts_checks._whisper.cache_info().currsize else None]
     gc.collect()
-    for cls in (WhisperModel, PiperVoice):
-        with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated aliases
-            warnings.simplefilter("ignore", FutureWarning)
-            copies = [o for o in gc.get_objects() if isinstance(o, cls) and not any(o is h for h in held)]
-        assert len(copies) == 1, (cls.__name__, len(copies))
+    gc.unfreeze()  # the server froze its models out of the collector's sight (gc.get_objects too)
+    try:
+        for cls in (WhisperModel, PiperVoice):
+            with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated aliases
+                warnings.simplefilter("ignore", FutureWarning)
+                copies = [o for o in gc.get_objects() if isinstance(o, cls) and not any(o is h for h in held)]
+            assert len(copies) == 1, (cls.__name__, len(copies))
+    finally:
+        gc.freeze()
     metrics = urllib.request.urlopen(url.replace("ws://", "http://").removesuffix("/v1") + "/metrics").read()
     assert b"s2s_sessions_open" in metrics and b"s2s_voice_to_voice_seconds_count" in metrics
 

@@ -186,15 +186,22 @@ def test_per_response_instructions_and_modalities_apply_to_that_response_only(se
     url, server = served
     special = "You are a pirate. Answer every question in the voice of a pirate."
 
+    spoken: dict[str, list[str]] = {"first": [], "second": []}
+
     async def talk():
         async with sdk(url) as conn:
             created = await conn.recv()
-            conversation = server.sessions[created.session.id].llm.conversation
+            session = server.sessions[created.session.id]
+            conversation = session.llm.conversation
+            synthesize = session.tts.synthesize  # the session's own Piper node: what it is asked to speak
+            now = spoken["first"]
+            session.tts.synthesize = lambda sentence: (now.append(sentence), synthesize(sentence))[1]
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create(response={"instructions": special, "output_modalities": ["text"]})
             first = await _collect(conn)
             during = conversation.messages()[0]  # the request for that response
+            now = spoken["second"]
             await conn.conversation.item.create(item={**item, "content": [{"type": "input_text",
                                                                           "text": "And goodbye."}]})
             await conn.response.create()
@@ -203,6 +210,8 @@ def test_per_response_instructions_and_modalities_apply_to_that_response_only(se
             return created, first, during, second, after
 
     created, first, during, second, after = run(talk())
+    assert spoken["first"] == [], "a text-only response is not synthesized"
+    assert spoken["second"], "a response with audio is"
     assert during == {"role": "system", "content": special}
     assert after == {"role": "system", "content": created.session.instructions}, "the session's instructions again"
     assert "response.output_text.delta" in types(first) and "response.output_audio.delta" not in types(first)

@@ -108,7 +108,8 @@ def test_a_negative_word_count_is_a_config_error_naming_the_option():
         EspeakTTS(first_clause_words=-1)
 
 
-@pytest.mark.parametrize("params", [{"first_clause_max_words": 8}, {"first_clause_words": 4, "first_clause_max_words": 3}])
+@pytest.mark.parametrize("params", [{"first_clause_max_words": 8},
+                                    {"first_clause_words": 4, "first_clause_max_words": 3}])
 def test_a_cap_without_the_first_clause_or_below_it_is_a_config_error(params):
     with pytest.raises(ConfigError, match=r"tts\.first_clause_max_words"):
         EspeakTTS(**params)

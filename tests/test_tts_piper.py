@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -118,3 +121,83 @@ def test_piper_builds_one_onnx_session_per_voice_load(
     assert built == [tts._voice.session], "one session, the one the voice runs"
     assert built[0].get_session_options().intra_op_num_threads == threads
     assert next(iter(tts.synthesize(FIRST))).size > 0
+
+
+def _fresh_voice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next setup() loads the voice anew (not the module's cached one)."""
+    import weakref
+
+    from s2s_flow import node as contract
+
+    monkeypatch.setattr(contract, "_SHARED", weakref.WeakValueDictionary())
+
+
+def _watch_runs(session: object, monkeypatch: pytest.MonkeyPatch, before: Callable[[], None]) -> list[int]:
+    """Count the inference runs of an onnxruntime session, and how many were running at once
+    as each one began (``before`` runs then, inside the count)."""
+    runs: list[int] = []
+    lock, inside = threading.Lock(), [0]
+    original = session.run  # type: ignore[attr-defined]
+
+    def run(*args: object, **kwargs: object) -> object:
+        with lock:
+            inside[0] += 1
+            runs.append(inside[0])
+        try:
+            before()
+            return original(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(session, "run", run)
+    return runs
+
+
+def test_the_voice_is_warmed_up_once_per_process_not_per_session(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import onnxruntime
+
+    runs: list[int] = []
+
+    class Counted(onnxruntime.InferenceSession):
+        def run(self, *args: object, **kwargs: object) -> object:
+            runs.append(1)
+            return super().run(*args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", Counted)
+    _fresh_voice(monkeypatch)
+    first = make(tmp_path_factory, **DETERMINISTIC)
+    assert len(runs) == 1, "the first session loads the voice and warms it up"
+    second = make(tmp_path_factory, **DETERMINISTIC)
+    assert second._voice is first._voice
+    assert len(runs) == 1, "a second session synthesizes nothing at setup"
+    assert next(iter(second.synthesize(FIRST))).size > 0 and len(runs) == 2
+
+
+@pytest.mark.parametrize(("threads", "slots"), [(1, 2), (2, 1), (0, 1)])
+def test_concurrent_syntheses_on_the_shared_voice_are_capped_at_the_cores_they_fit(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, threads: int, slots: int
+) -> None:
+    """On 2 cores: 1-thread syntheses two at a time, wider ones one at a time; the rest wait."""
+    from nodes.tts import piper as module
+
+    monkeypatch.setattr(module, "_cores", lambda: 2)
+    _fresh_voice(monkeypatch)
+    sessions = [make(tmp_path_factory, threads=threads, **DETERMINISTIC) for _ in range(4)]
+    assert sessions[0]._shared is sessions[-1]._shared and sessions[0]._shared.slots == slots
+    together = threading.Barrier(slots, timeout=60)  # each run waits for the others its slots let in
+    runs = _watch_runs(sessions[0]._voice.session, monkeypatch, before=together.wait)
+    out: list[int] = []
+
+    def speak(tts: PiperTTS) -> None:
+        out.append(sum(len(pcm) for pcm in tts.synthesize(FIRST)))
+
+    workers = [threading.Thread(target=speak, args=(tts,)) for tts in sessions]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(runs) == 4 and len(out) == 4 and min(out) > 0
+    assert max(runs) == slots, f"{max(runs)} syntheses ran at once on {slots} slot(s)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -37,7 +38,7 @@ from nodes.io._realtime_events import (
 )
 from nodes.io._realtime_session import Pending, Response, Session
 from nodes.io.realtime import RealtimeSink, RealtimeSource, fit_vad_settings, vad_turn_settings
-from s2s_flow.messages import Speech, SpeechStarted
+from s2s_flow.messages import AudioOut, Speech, SpeechStarted, TextDelta
 from s2s_flow.node import Context, keep_shared, require
 
 __all__ = ["RealtimeServer"]
@@ -47,6 +48,28 @@ PAGE = Path(__file__).with_name("realtime_page.html")
 CLOSE_GRACE_S = 5.0  # a client closed for not reading gets this long to read its error and the close
 MIN_COMMIT_MS = 100  # input_audio_buffer.commit needs this much audio (as OpenAI's does)
 MAX_BUFFER_S = 300  # manual turns: the input audio buffer holds at most this much before a commit
+
+
+_SERVERS = [0]  # servers of this process that have settled the garbage collector
+_SERVERS_LOCK = threading.Lock()
+
+
+def _settle_gc() -> None:
+    """Once the models are loaded: collect what loading left and freeze what stays out of later
+    collections. The server does it, for all its sessions (their Scheduler's ``own_gc=False``): a
+    collection stops every thread, the other sessions' turns too. The freeze is the process's,
+    held until its last server stops."""
+    with _SERVERS_LOCK:
+        _SERVERS[0] += 1
+        gc.collect()
+        gc.freeze()
+
+
+def _unsettle_gc() -> None:
+    with _SERVERS_LOCK:
+        _SERVERS[0] -= 1
+        if not _SERVERS[0]:
+            gc.unfreeze()
 
 
 class _Metrics:
@@ -119,9 +142,13 @@ class RealtimeServer:
         """Serve until SIGINT/SIGTERM (uvicorn's handlers end it cleanly)."""
         with keep_shared():
             self.preload()
+            _settle_gc()
             self._server = self._uvicorn()
             print(f"serving the graph at {self.options.serves}", flush=True)
-            self._server.run(sockets=[self._sock] if self._sock else None)
+            try:
+                self._server.run(sockets=[self._sock] if self._sock else None)
+            finally:
+                _unsettle_gc()
         return {"sessions": self.sessions_run, "run_dir": str(self.run_dir)}
 
     def start(self) -> str:
@@ -129,6 +156,7 @@ class RealtimeServer:
         self._keep = keep_shared()
         self._keep.__enter__()
         self.preload()
+        _settle_gc()
         if self._sock is None:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -150,6 +178,7 @@ class RealtimeServer:
         if self._thread is not None:
             self._thread.join(10)
         if self._keep is not None:
+            _unsettle_gc()
             self._keep.__exit__(None, None, None)
             self._keep = None
 
@@ -266,7 +295,7 @@ class _Connection:
         graph = server.make_graph()
         self._bind(graph)
         run_dir = server.run_dir / "sessions" / session.id
-        scheduler = Scheduler(graph, run_dir)
+        scheduler = Scheduler(graph, run_dir, own_gc=False)  # the server settles the collector
         thread = threading.Thread(target=self._run_graph, args=(scheduler, graph, run_dir),
                                   name=f"session:{session.id}", daemon=True)
         session.send({"type": "session.created", "session": session.config.to_event(session.id)})
@@ -310,6 +339,8 @@ class _Connection:
             elif hasattr(node, "conversation") and session.llm is None:
                 session.bind_llm(node)
                 llm_name = name
+            elif _synthesizer(spec.cls) and session.tts is None:
+                session.bind_tts(node)
         session.hears_audio = any(e.dst == llm_name and issubclass(e.type, Speech) for e in graph.edges)
         if session.llm is not None:
             session.config.instructions = session.llm.conversation.system_prompt
@@ -599,6 +630,12 @@ class _Connection:
             self.session.playback.set_heard(resp.turn, heard, played_s=end_ms / 1000, t=time.monotonic())
         self.session.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
                            "audio_end_ms": end_ms})
+
+
+def _synthesizer(cls: type) -> bool:
+    """Text in, audio out, and no text on (the TTS; not a gate that holds both)."""
+    outputs = cls.outputs.values()
+    return TextDelta in cls.inputs.values() and AudioOut in outputs and TextDelta not in outputs
 
 
 def _transport(send: Any) -> Any:

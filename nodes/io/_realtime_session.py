@@ -112,6 +112,7 @@ class Session:
         self.playback: Playback | None = None
         self.llm: Any = None  # the session's LLM node: instructions go to its conversation
         self.vad: Any = None  # the session's VAD node: turn_detection's numbers go to it
+        self.tts: Any = None  # the session's TTS node: it speaks only the responses with audio
         self.hears_audio = False  # the LLM takes the user's audio itself (stt=none)
         self.observe = observe  # metrics callback: (name, value)
         self.closed = False
@@ -296,6 +297,26 @@ class Session:
                 return messages(self.visible(conversation), *args, **kwargs)
 
             conversation.messages = shown
+
+    def bind_tts(self, tts: Any) -> None:
+        """Make ``tts`` this session's: the text of a response without audio (``output_modalities:
+        ["text"]``) never reaches it, so nothing is synthesized only to be thrown away."""
+        self.tts = tts
+        original = tts.process
+
+        def process(port: str, msg: Any) -> Any:
+            if not self.speaks(msg.turn):
+                return None
+            return original(port, msg)
+
+        tts.process = process  # the scheduler takes node.process when the session's graph starts
+
+    def speaks(self, turn: int) -> bool:
+        """Whether the reply to ``turn`` has audio: its response's modalities, or the session's
+        for a reply whose response the sink has not made yet."""
+        with self.lock:
+            resp = self.responses.get(turn)
+            return "audio" in (resp.modalities if resp is not None else self.config.output_modalities)
 
     def visible(self, conversation: Any) -> Any:
         """A view of ``conversation`` for one request: deleted items left out, and the system
