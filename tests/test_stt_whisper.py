@@ -95,6 +95,15 @@ def test_a_short_tail_after_its_prefix_is_not_read_twice(windowed):
     assert wer(["What should I book first?"], [heard]) == 0, heard
 
 
+def test_a_windowed_decode_that_stops_short_of_the_speech_is_not_kept(windowed):
+    # without timestamps, tiny.en in a 10 s window ended this at "about" (bench=hesitation);
+    # its last timestamp now shows where its text ends
+    pcm = np.concatenate([synthesize("Tell me a short story about"), np.zeros(9600, np.float32),
+                          synthesize("a dragon who learns to cook.")])
+    heard, _ = windowed.transcribe(pcm)
+    assert wer(["Tell me a short story about a dragon who learns to cook."], [heard]) == 0, heard
+
+
 @pytest.mark.parametrize(("text", "repeated"), [
     ("What should I book first? What should I book first?", True),
     ("What is it? What is it? What", True),
