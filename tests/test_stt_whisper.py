@@ -104,6 +104,19 @@ def test_a_windowed_decode_that_stops_short_of_the_speech_is_not_kept(windowed):
     assert wer(["Tell me a short story about a dragon who learns to cook."], [heard]) == 0, heard
 
 
+def test_a_short_window_decodes_a_continued_utterance_whole_not_its_tail(windowed, monkeypatch):
+    first = synthesize("I have an important meeting tomorrow morning, and I always forget something.")
+    more = np.concatenate([first, np.zeros(4800, np.float32), synthesize("What should I prepare tonight?")])
+    tails: list[str] = []
+    monkeypatch.setattr(windowed, "transcribe_after", lambda audio, prefix: tails.append(prefix))
+    windowed.reset()
+    for pcm, speculative in ((first, True), (more, False)):  # the same utterance, gone on after a pause
+        (out,) = windowed.process("audio", Speech(turn=1, pcm=pcm, rate=16000, start=0.0, end=len(pcm) / 16000,
+                                                  speech_end_t=0.0, speculative=speculative))
+    assert tails == [] and wer(["I have an important meeting tomorrow morning, and I always forget "
+                                "something. What should I prepare tonight?"], [out.text]) <= 0.1, out.text
+
+
 @pytest.mark.parametrize(("text", "repeated"), [
     ("What should I book first? What should I book first?", True),
     ("What is it? What is it? What", True),

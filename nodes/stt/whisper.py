@@ -114,6 +114,11 @@ class WhisperSTT(UtteranceSTT):
         self.beam_size = beam_size
         self.device = device
         self.window_s = float(window_s)
+        # In a short window the whole utterance costs about what its tail would (the encoder
+        # reads only what is there), and a tail read after the words so far as the prompt came
+        # back repeated ("What should I prepare tonight? What should I prepare tonight?"): so
+        # only the 30 s window decodes tails after a remembered start (nodes/stt/_base.py).
+        self.prefix_reuse = self.window_s >= FULL_WINDOW_S
         self._whisper = None
         self._tokenizers: dict[str | None, object] = {}
 
