@@ -48,6 +48,10 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -c 'import s2s_flow._rings, s2s_flow._trace' 2>/dev/null \
     || say "warning: s2s_flow/_rings.c or _trace.c was not built (no C compiler?); the engine uses its pure-Python stand-ins"
   rm -f "$VENV"/.s2s-installed-*; touch "$stamp"
+elif command -v cc >/dev/null && ! "$VENV/bin/python" -c 'import s2s_flow._rings, s2s_flow._trace' 2>/dev/null; then
+  # the environment is there but the checkout lost its compiled C parts (git clean -x)
+  say "building s2s_flow/_rings.c and _trace.c again"
+  "${PIP[@]}" install --no-deps -e .
 fi
 
 # 3. llama-server, built from the llama.cpp sources in the llama-cpp-python sdist, cached
