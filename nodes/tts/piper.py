@@ -90,8 +90,13 @@ class PiperTTS(SentenceTTS):
         self.voice, self.speaker, self.volume = voice, speaker, volume
         self.length_scale, self.noise_scale, self.noise_w_scale = length_scale, noise_scale, noise_w_scale
         self._shared: SharedVoice | None = None
-        self._voice: Any = None  # the shared PiperVoice
         self._syn_config: Any = None
+
+    @property
+    def _voice(self) -> Any:
+        """The shared PiperVoice (an ONNX session and its config); before setup() an AttributeError,
+        which port_rate() reads as "not known yet"."""
+        return self._shared.voice  # type: ignore[union-attr]
 
     @property
     def native_rate(self) -> int:
@@ -135,7 +140,6 @@ class PiperTTS(SentenceTTS):
         piper = require("piper", "piper")
         model, _ = self._voice_files()
         self._shared = self.shared()
-        self._voice = self._shared.voice
         speakers = self._voice.config.num_speakers
         if self.speaker is not None and self.speaker >= speakers:
             raise ConfigError(f"tts.speaker={self.speaker}: voice {model.name} has {speakers} speaker(s), "
