@@ -710,7 +710,8 @@ class RemoteLLM(Node):
         )
 
     def reset(self) -> None:
-        """Next conversation of a batch: an empty history (the connection stays warm)."""
+        """An empty history, the connection kept (a benchmark talking to one node; the engine
+        gives every conversation a node of its own)."""
         self.conversation = Conversation(self.conversation.system_prompt, self.conversation.max_turns)
         self._answered = None
 

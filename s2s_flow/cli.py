@@ -151,7 +151,7 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     serving = next((spec.node for spec in graph.nodes.values() if spec.node.serve is not None), None)
     if serving is not None:  # io=realtime: one fresh graph per connection, models shared (DESIGN.md 10)
         with managed_server(cfg.get("server"), run_dir, console=console):
-            return serving.serve(lambda: plan(cfg, choices), run_dir, console=console)
+            return serving.serve(graph.instance, run_dir, console=console)
     scheduler = Scheduler(graph, run_dir, console=console)
     server = None
     try:

@@ -12,7 +12,7 @@ null (``stt=none``) are skipped. ``nodes:`` adds named nodes outside the chain a
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -67,6 +67,14 @@ class Graph:
 
     def outputs_of(self, name: str) -> list[Edge]:
         return [e for e in self.edges if e.src == name]
+
+    def instance(self) -> Graph:
+        """The same graph with nodes of its own, for one session (a connection, a file of a batch):
+        each node is built again from its validated parameters (cheap: ``__init__`` loads nothing),
+        so its per-session state starts fresh, and its ``setup()`` finds the heavy parts already
+        loaded (``Node.shared()``)."""
+        nodes = {name: replace(spec, node=spec.cls(**spec.params)) for name, spec in self.nodes.items()}
+        return Graph(nodes, self.edges, self.chain, self.skipped)
 
 
 def load_class(target: str, where: str) -> type[Node]:

@@ -17,7 +17,7 @@ heavy libraries are imported in ``setup()`` through :func:`require`, so a missin
 reported with its install command only for the backend that was chosen.
 
 Sessions and shared resources. One node instance serves one session (a conversation: a
-WebSocket connection of ``io=realtime``, the microphone, a run's files): everything on
+WebSocket connection of ``io=realtime``, the microphone, one file of a batch): everything on
 ``self`` is per session (VAD state, history, playback position). What is heavy and
 stateless (weights, ONNX / CTranslate2 sessions) is loaded by ``load_shared()`` and reached
 through ``self.shared()`` in ``setup()``: it is loaded once per process for each
@@ -163,15 +163,13 @@ class Node:
         """Sample rate of an audio port, if fixed by the parameters (checked across edges)."""
         return None
 
-    def reset(self) -> None:
-        """A new conversation starts (next file of a batch): forget history and state."""
-
     def setup(self) -> None:
         """Load models, open clients, warm up. Runs before any data flows."""
 
     def sessions(self) -> list[str]:
         """Sources only: the conversations to play, one after another (e.g. one per input
-        file). Before each, every node is ``reset()`` and ``ctx.conversation`` names it."""
+        file). Each is a session of its own: a fresh instance of the graph (``Graph.instance()``:
+        new nodes, set up again, the shared parts kept loaded), ``ctx.conversation`` naming it."""
         return [""]
 
     def produce(self) -> Iterator[Message]:

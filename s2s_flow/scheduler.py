@@ -4,10 +4,12 @@ Life of a run:
 1. every node's ``setup()`` runs in parallel, with a live progress line; then the garbage
    collector is settled for the run (unless ``own_gc=False``: it acts on the whole process,
    so a server running many sessions at once settles it itself, once);
-2. for each conversation the source offers (``sessions()``: one per input file), the
-   nodes are ``reset()``, fresh rings are wired and one thread per node moves data;
-   end of stream closes the source's rings and drains the graph in order, so the
-   session ends by itself with every reply written;
+2. for each conversation the source offers (``sessions()``: one per input file), rings are
+   wired and one thread per node moves data; end of stream closes the source's rings and
+   drains the graph in order, so the session ends by itself with every reply written. The
+   next conversation is a session of its own, like a server's next connection: its nodes are
+   closed, a fresh instance of the graph (``Graph.instance()``) is set up, the models it
+   shares stay loaded (``keep_shared``), and its turns go on rising in the run's one trace;
 3. ``close()`` on every node, once.
 
 A node that raises stops the graph: rings are closed, blocked threads are woken, nodes
@@ -39,7 +41,7 @@ from s2s_flow import rings
 from s2s_flow.errors import NodeFailed, S2SError
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
-from s2s_flow.node import Context
+from s2s_flow.node import Context, keep_shared
 from s2s_flow.rings import Ring, RingClosed, wake_all
 from s2s_flow.trace import NodeTurn, Trace
 
@@ -121,14 +123,21 @@ class Scheduler:
         self._abandoned = False  # a second signal: leave without waiting for close()
         self._in_setup: list[str] = []  # nodes whose setup() had not returned when the run stopped
         self._progress: dict[str, str] = {}
-        self._runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
-        shared: dict[str, Any] = {}
-        for run in self._runs.values():
+        self._shared: dict[str, Any] = {}  # the session's Context.shared (one dict for all its nodes)
+        self._runs = self._bind(graph)
+
+    def _bind(self, graph: Graph) -> dict[str, _Running]:
+        """Give each node of ``graph`` its Context; turn numbers go on from the last session's."""
+        turns = self._shared.get("turns")
+        self._shared = {} if turns is None else {"turns": turns}
+        runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
+        for run in runs.values():
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,
                                    progress=lambda text, n=run.name: self._set_progress(n, text),
-                                   shared=shared, record=self.trace.event)
+                                   shared=self._shared, record=self.trace.event)
             run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
+        return runs
 
     # -- control -----------------------------------------------------------------------
 
@@ -178,19 +187,16 @@ class Scheduler:
         """Set up, run every conversation, close. Raises NodeFailed or Stopped."""
         restore = self._install_signal_handlers()
         try:
-            self._setup_all()
-            # Loading models leaves much garbage and many long-lived objects: collect it now,
-            # not during the first turn, and keep what setup built out of later collections,
-            # so a collection mid-conversation stays short.
-            if self.own_gc:
-                gc.collect()
-                gc.freeze()
-            source = self._driver()
-            sessions = source.node.sessions() if source else [""]
-            for i, name in enumerate(sessions):
-                if self._stopping.is_set():
-                    break
-                self._run_session(i, name)
+            with keep_shared():  # loaded once for every session of the run
+                self._setup_all()
+                source = self._driver()
+                sessions = source.node.sessions() if source else [""]
+                for i, name in enumerate(sessions):
+                    if self._stopping.is_set():
+                        break
+                    if i:
+                        self._next_instance()
+                    self._run_session(i, name)
             self._raise_if_failed()
             return self.trace
         finally:
@@ -200,6 +206,16 @@ class Scheduler:
                 self._close_all()
             finally:
                 restore()
+
+    def _next_instance(self) -> None:
+        """The next conversation gets a graph of its own: nothing of the last one's state
+        (history, VAD state, an interrupt's epoch) can cross into it."""
+        self._close_all()
+        self._closed.clear()
+        self._epoch = 0
+        self.graph = self.graph.instance()
+        self._runs = self._bind(self.graph)
+        self._setup_all()
 
     def _driver(self) -> _Running | None:
         sources = [r for r in self._runs.values() if not r.spec.cls.inputs]
@@ -253,15 +269,19 @@ class Scheduler:
                 returned(*finished.get_nowait())
             self._in_setup = pending
         self._raise_if_failed()
+        if self.own_gc:
+            # Loading models leaves much garbage and many long-lived objects: collect it now,
+            # not during the first turn, and keep what setup built out of later collections,
+            # so a collection mid-conversation stays short (the last session's frozen objects
+            # are let go first).
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
 
     def _run_session(self, index: int, name: str) -> None:
         turns_before = set(self.trace.turns())
         for run in self._runs.values():
-            run.inbox = rings.Inbox()
-            run.outputs = {}
             run.node.ctx.conversation = name
-            if index:
-                run.node.reset()
         wired = []
         for edge in self.graph.edges:
             ring = rings.Ring(edge.capacity, edge.policy, inbox=self._runs[edge.dst].inbox, name=edge.key)

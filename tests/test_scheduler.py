@@ -88,13 +88,28 @@ def test_setup_runs_in_parallel_and_a_setup_failure_names_the_node(tmp_path):
         s.run()
 
 
-def test_each_session_resets_nodes_and_records_its_conversation(tmp_path):
-    s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 4, "turns": 2,
-                                     "sessions": ["a", "b"]},
+def test_each_session_runs_on_a_fresh_instance_of_the_graph_and_records_its_conversation(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "TurnSource", "turns": 2, "sessions": ["a", "b", "c"]},
+                             "up": {"_target_": T + "Upper"}, "out": {"_target_": T + "Collect"}})
+    first = {name: spec.node for name, spec in s.graph.nodes.items()}
+    s.run()
+    last = {name: spec.node for name, spec in s.graph.nodes.items()}
+    assert all(last[n] is not first[n] for n in first), "a node of its own for each session"
+    assert all(n.closed for n in (*first.values(), *last.values()))
+    assert [m.text for m in first["out"].got] == ["A:0", "A:1"], "no session's messages reach another's nodes"
+    assert [m.text for m in last["out"].got] == ["C:0", "C:1"] and last["out"].finished == 1
+    assert first["up"].setups == last["up"].setups == 1
+    # turns go on rising from one session to the next: the run's one trace keeps them all apart
+    assert s.trace.conversations == {1: "a", 2: "a", 3: "b", 4: "b", 5: "c", 6: "c"}
+    assert [e["conversation"] for e in s.trace.events if e["kind"] == "session"] == ["a", "b", "c"]
+
+
+def test_an_interrupt_in_one_session_does_not_drop_the_next_sessions_turns(tmp_path):
+    s = scheduler(tmp_path, {"src": {"_target_": T + "TurnSource", "turns": 1, "sessions": ["a", "b"],
+                                     "interrupt_at": 50},
                              "up": {"_target_": T + "Upper"}, "out": {"_target_": T + "Collect"}})
     s.run()
-    assert [m.text for m in node(s, "out").got] == [f"{c}:{i}".upper() for c in "ab" for i in range(4)]
-    assert node(s, "up").resets == 1 and node(s, "out").finished == 2
+    assert [m.text for m in s.graph.nodes["out"].node.got] == ["B:0"]
 
 
 def test_interrupt_flushes_stale_turns_closes_the_stream_and_lets_the_new_turn_through(tmp_path):

@@ -61,6 +61,7 @@ class UtteranceSTT(Node):
         return self.transcribe(audio)
 
     def reset(self) -> None:
+        """Forget the last speculative decode (a benchmark reusing one node)."""
         self._last = None
 
     def process(self, port: str, msg: Speech) -> Iterator[Transcript]:

@@ -32,10 +32,6 @@ class TurnGate(Node):
         self._held: dict[int, list[Message]] = {}  # speculative turn -> its reply so far
         self._stale_below = 0
 
-    def reset(self) -> None:
-        with self._lock:
-            self._held.clear()
-
     def process(self, port: str, msg: Message) -> Iterator[Message]:
         with self._lock:
             if msg.turn < self._stale_below:

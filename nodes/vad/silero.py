@@ -194,7 +194,7 @@ class SileroVAD(Node):
         self.reset()
 
     def reset(self) -> None:
-        """Forget the stream (a new conversation); the turn count keeps rising."""
+        """Forget the stream (after the warm-up; a benchmark playing one file after another)."""
         self.speech_count = 0
         self._state = np.zeros((2, 1, 128), np.float32)
         self._input = np.zeros((1, self._context_size + self.window), np.float32)  # context + window

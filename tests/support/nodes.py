@@ -30,6 +30,29 @@ class CountSource(Node):
             yield Transcript(turn=1 + i * self.turns // self.n, text=f"{self.ctx.conversation}:{i}")
 
 
+class TurnSource(Node):
+    """One message per turn, its turn number from the run (``ctx.new_turn()``, as a VAD does);
+    ``interrupt_at``: the first session then declares every turn below it stale."""
+
+    outputs = {"text": Transcript}
+
+    def __init__(self, *, turns: int = 1, sessions: list[str] | None = None, interrupt_at: int = 0):
+        self.turns, self._sessions, self.interrupt_at = turns, sessions or [""], interrupt_at
+        self.closed = False
+
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def produce(self) -> Iterator[Transcript]:
+        for i in range(self.turns):
+            yield Transcript(turn=self.ctx.new_turn(), text=f"{self.ctx.conversation}:{i}")
+        if self.interrupt_at and self.ctx.conversation == self._sessions[0]:
+            self.ctx.interrupt(self.interrupt_at)
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class AudioSource(Node):
     outputs = {"audio": AudioChunk}
 
@@ -53,10 +76,14 @@ class Upper(Node):
 
     def __init__(self, *, delay_s: float = 0.0):
         self.delay_s = delay_s
-        self.resets = 0
+        self.setups = 0
+        self.closed = False
 
-    def reset(self) -> None:
-        self.resets += 1
+    def setup(self) -> None:
+        self.setups += 1
+
+    def close(self) -> None:
+        self.closed = True
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
         if self.delay_s:
@@ -73,6 +100,7 @@ class Collect(Node):
         self.fail_on = fail_on
         self.got = []
         self.finished = 0
+        self.closed = False
 
     def process(self, port: str, msg: Message) -> None:
         if self.fail_on is not None and getattr(msg, "text", None) == self.fail_on:
@@ -81,6 +109,9 @@ class Collect(Node):
 
     def finish(self) -> None:
         self.finished += 1
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class Blocker(Node):

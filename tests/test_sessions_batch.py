@@ -1,0 +1,39 @@
+"""A batch of files (io=wav with a directory) runs as sessions, like a server's connections: a fresh
+instance of the graph per file, the heavy parts loaded once (DESIGN.md 10)."""
+
+from __future__ import annotations
+
+import json
+
+from s2s_flow.cli import plan
+from s2s_flow.compose import compose
+from s2s_flow.scheduler import Scheduler
+from tests.support.fixtures import llama_server_binary, smollm2_gguf, smollm2_server  # noqa: F401
+from tests.support.managed import question_wav
+
+
+def test_each_file_of_a_batch_is_a_session_of_its_own_on_the_models_loaded_once(
+        tmp_path, smollm2_server):  # noqa: F811
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    question_wav(batch / "a.wav", "How many kilometers are there in a marathon?")
+    question_wav(batch / "b.wav", "What is the capital of France?")
+    cfg, choices = compose(["io=wav", f"io.input={batch}", "vad=silero", "stt=whisper", "tts=piper", "llm=chat",
+                            f"llm.base_url={smollm2_server}/v1", "llm.max_tokens=24", "llm.temperature=0",
+                            "server=null"])
+    graph = plan(cfg, choices)
+    first = {name: spec.node for name, spec in graph.nodes.items()}
+    scheduler = Scheduler(graph, tmp_path / "run")
+    scheduler.run()
+    last = {name: spec.node for name, spec in scheduler.graph.nodes.items()}
+
+    assert all(last[name] is not first[name] for name in first), "every node is the session's own"
+    assert last["stt"]._whisper is first["stt"]._whisper, "one Whisper model for the run"
+    assert last["vad"]._session is first["vad"]._session and last["tts"]._shared is first["tts"]._shared
+    for llm, question in ((first["llm"], "marathon"), (last["llm"], "france")):
+        users = [m["content"] for m in llm.conversation.messages() if m["role"] == "user"]
+        assert len(users) == 1 and question in users[0].lower(), "each history holds its own question only"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "transcript.jsonl").read_text().splitlines()]
+    assert [(r["conversation"], r["turn"]) for r in rows] == [("a", 1), ("b", 2)]
+    assert all(r["reply_wav"] and r["agent"] for r in rows)
+    assert set(scheduler.trace.conversations.values()) == {"a", "b"}
