@@ -691,6 +691,8 @@ class RemoteLLM(Node):
             )
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        if not self.ctx.session.answers(msg.turn):
+            return  # the session starts this reply later (a server's client asks for it)
         last = self._answered
         if last is not None and last[0] == msg.turn and last[1] != port:
             self.ctx.log.debug("turn %d was answered from %r already; %r ignored", msg.turn, last[1], port)

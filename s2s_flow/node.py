@@ -49,7 +49,32 @@ from typing import Any, ClassVar
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
 
-__all__ = ["Node", "Context", "require", "shared", "keep_shared"]
+__all__ = ["Node", "Context", "SessionHooks", "require", "shared", "keep_shared"]
+
+
+class SessionHooks:
+    """What the session a node serves decides about its turns, read through ``ctx.session``.
+
+    A plain run (files, the microphone) lets every turn through. A server's session (io=realtime)
+    holds a turn until its client asks for the response, speaks only the responses that have
+    audio, and shows the LLM its history as the client edited it. Nodes ask; the session decides::
+
+        if not self.ctx.session.answers(msg.turn): return       # an LLM, for each user turn
+        if not self.ctx.session.speaks(msg.turn): return        # a TTS, for each reply
+        request = self.ctx.session.history(self.conversation)   # an LLM, for each request
+    """
+
+    def answers(self, turn: int) -> bool:
+        """Whether the LLM replies to this user turn now (False: the session starts it later)."""
+        return True
+
+    def speaks(self, turn: int) -> bool:
+        """Whether this turn's reply is synthesized (False: a text-only response)."""
+        return True
+
+    def history(self, conversation: Any) -> Any:
+        """What the LLM sends of ``conversation`` in its next request: itself, or a view of it."""
+        return conversation
 
 
 class Context:
@@ -66,6 +91,7 @@ class Context:
         progress: Callable[[str], None] | None = None,
         shared: dict[str, Any] | None = None,
         record: Callable[..., None] | None = None,
+        session: SessionHooks | None = None,
     ) -> None:
         self.name = name
         self.run_dir = run_dir
@@ -80,6 +106,8 @@ class Context:
         #: really played, read by the LLM to keep only what was heard after a barge-in)
         self.shared: dict[str, Any] = {} if shared is None else shared
         self._record = record
+        #: the session's decisions about its turns (a server's connection; a plain run's default)
+        self.session = session or SessionHooks()
 
     @property
     def epoch(self) -> int:

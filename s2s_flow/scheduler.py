@@ -41,7 +41,7 @@ from s2s_flow import rings
 from s2s_flow.errors import NodeFailed, S2SError
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
-from s2s_flow.node import Context, keep_shared
+from s2s_flow.node import Context, SessionHooks, keep_shared
 from s2s_flow.rings import Ring, RingClosed, wake_all
 from s2s_flow.trace import NodeTurn, Trace
 
@@ -108,9 +108,10 @@ class _Running:
 
 class Scheduler:
     def __init__(self, graph: Graph, run_dir: Path, *, console: Any = None, trace: Trace | None = None,
-                 own_gc: bool = True):
+                 own_gc: bool = True, session: SessionHooks | None = None):
         self.graph, self.run_dir, self.console = graph, Path(run_dir), console
         self.own_gc = own_gc  # the run may collect and freeze the process's garbage (it is the only one)
+        self.session = session  # what a server's session decides about its turns (ctx.session)
         self.trace = trace or Trace()
         self.ring_stats: dict[str, dict[str, Any]] = {}
         self._epoch = 0
@@ -135,7 +136,7 @@ class Scheduler:
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,
                                    progress=lambda text, n=run.name: self._set_progress(n, text),
-                                   shared=self._shared, record=self.trace.event)
+                                   shared=self._shared, record=self.trace.event, session=self.session)
             run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
         return runs
 

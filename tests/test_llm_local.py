@@ -8,6 +8,7 @@ runtimes and two code paths (local chat template vs. the server's).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import shutil
 import subprocess
@@ -22,9 +23,10 @@ from nodes.llm._local import LocalLLM, _without_thinking
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.mlx import MLXLLM
 from nodes.llm.transformers import TransformersLLM
-from s2s_flow.errors import MissingDependency, ModelNotAvailable
+from s2s_flow.errors import ConfigError, MissingDependency, ModelNotAvailable
 from s2s_flow.messages import TextDelta, Transcript
-from s2s_flow.node import Context
+from s2s_flow.node import Context, SessionHooks, keep_shared
+from tests.support.loads import count_loads, fresh_models, warm_ups
 from tests.support.remote_llm import llm_node, text_of, turn
 from tests.support.tiny_llama import TinyLlama
 
@@ -46,11 +48,13 @@ QWEN3_STYLE_TEMPLATE = (
 )
 
 
-def local_node(cls: type[LocalLLM], model: Path | str, tmp_path: Path, **options) -> LocalLLM:
-    """A local LLM node with a context, loaded and warmed up (skipped if its library is missing)."""
+def local_node(cls: type[LocalLLM], model: Path | str, tmp_path: Path, said: list[str] | None = None,
+               **options) -> LocalLLM:
+    """A local LLM node with a context, loaded and warmed up (skipped if its library is missing);
+    what its setup() shows as progress goes to ``said``."""
     pytest.importorskip(LIBRARY[cls])
     node = cls(model=str(model), **options)
-    node.ctx = Context("llm", tmp_path)
+    node.ctx = Context("llm", tmp_path, progress=None if said is None else said.append)
     t0 = time.monotonic()
     node.setup()
     print(f"{cls.__name__} setup (load + warm-up): {time.monotonic() - t0:.2f} s")
@@ -114,6 +118,33 @@ def test_second_turn_with_history_is_the_same_text_as_llama_cpp(
     chat.close()
 
 
+class HoldingSession(SessionHooks):
+    """A server's session as its LLM sees it: turn 1 waits for the client, and requests carry
+    a system prompt of the session's own (a response's instructions)."""
+
+    def answers(self, turn: int) -> bool:
+        return turn != 1
+
+    def history(self, conversation):
+        view = copy.copy(conversation)
+        view.system_prompt = "Answer in French."
+        return view
+
+
+@BOTH
+def test_the_session_decides_which_turns_are_answered_and_what_history_the_model_sees(cls, tiny_llama: TinyLlama,
+                                                                                      tmp_path):
+    node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    node.ctx.session = HoldingSession()
+    assert turn(node, USER, 1) == [] and node.conversation.exchanges == [], "a held turn is not answered"
+    prompts: list[list[dict]] = []
+    chat_prompt = node.chat_prompt
+    node.chat_prompt = lambda messages, *rest: (prompts.append(messages), chat_prompt(messages, *rest))[1]
+    assert text_of(turn(node, USER, 2))
+    assert prompts[-1][0] == {"role": "system", "content": "Answer in French."}
+    assert node.conversation.system_prompt != "Answer in French.", "the view changes the request, not the history"
+
+
 # -- prompt cache ------------------------------------------------------------------------------
 
 
@@ -127,8 +158,9 @@ def test_later_turns_take_what_they_share_from_the_cache_and_answer_the_same(cls
         reused.append(cached.last_prompt_reused)
         assert plain.last_prompt_reused == 0
     system_prompt = len(cached._tokenizer.encode(SYSTEM, add_special_tokens=False))
-    # turn 1 shares the system prompt with the warm-up; later turns the whole history before them
-    assert system_prompt < reused[0] < reused[1] < reused[2]
+    # turn 1 encodes its whole prompt (the warm-up was the process's, its cache no session's);
+    # later turns take the whole history before them
+    assert reused[0] == 0 and system_prompt < reused[1] < reused[2]
     print(f"{cls.__name__}: prompt tokens taken from the cache per turn: {reused}")
 
 
@@ -221,6 +253,190 @@ def test_a_turn_interrupted_before_it_starts_is_not_generated(cls, tiny_llama: T
     node.on_interrupt(5)
     deltas = turn(node, USER, 4)
     assert [(d.text, d.end) for d in deltas] == [("", True)]
+
+
+# -- sessions: one model per process, a history per session ---------------------------------------
+
+
+def count_model_loads(cls: type[LocalLLM], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    library = pytest.importorskip(LIBRARY[cls])
+    if cls is MLXLLM:
+        return count_loads(library, "load", monkeypatch)
+    return count_loads(library.AutoModelForCausalLM, "from_pretrained", monkeypatch)
+
+
+A_TURNS = [USER, "What did I ask first?"]
+B_TURNS = ["Tell me a short story, please.", "Numbers are useful too."]
+
+
+@BOTH
+def test_sessions_of_one_model_load_and_warm_it_up_once(cls, tiny_llama: TinyLlama, tmp_path, monkeypatch):
+    fresh_models(monkeypatch)
+    loads, said = count_model_loads(cls, monkeypatch), []
+    first = local_node(cls, tiny_llama.hf_dir, tmp_path, said, max_tokens=N_TOKENS, **GREEDY)
+    assert len(loads) == 1 and warm_ups(said) == 1
+    # other generation and history options: the same weights
+    second = local_node(cls, tiny_llama.hf_dir, tmp_path, said, max_tokens=4, temperature=0.5, seed=3,
+                        system_prompt="Be brief.", max_history_turns=2)
+    assert len(loads) == 1 and warm_ups(said) == 1, "the second session loads nothing and generates nothing"
+    assert second._model is first._model and second._tokenizer is first._tokenizer
+    assert second.shared_key() == first.shared_key()
+
+
+@BOTH
+def test_a_server_preloads_the_model_without_a_setup_and_its_sessions_load_nothing(cls, tiny_llama: TinyLlama,
+                                                                                   tmp_path, monkeypatch):
+    fresh_models(monkeypatch)
+    loads, said = count_model_loads(cls, monkeypatch), []
+    with keep_shared():  # what io=realtime's preload does: shared() on a node never set up
+        preloading = cls(model=str(tiny_llama.hf_dir), **GREEDY)
+        preloading.ctx = Context("llm", tmp_path, progress=said.append)
+        preloading.shared()
+        del preloading
+        gc.collect()
+        node = local_node(cls, tiny_llama.hf_dir, tmp_path, said, max_tokens=N_TOKENS, **GREEDY)
+        assert len(loads) == 1 and warm_ups(said) == 1
+        assert text_of(turn(node, USER))
+
+
+@BOTH
+def test_each_session_keeps_its_own_history_and_answers_as_if_alone(cls, tiny_llama: TinyLlama, tmp_path,
+                                                                   monkeypatch):
+    fresh_models(monkeypatch)
+    alone = {}
+    for name, turns in (("a", A_TURNS), ("b", B_TURNS)):
+        node = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+        alone[name] = [text_of(turn(node, user, n)) for n, user in enumerate(turns, start=1)]
+    reference_model = node._model
+    fresh_models(monkeypatch)  # the two sessions load a model of their own: no state from the reference
+    a = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    b = local_node(cls, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    assert a._model is b._model and a._model is not reference_model
+    got: dict[str, list[str]] = {"a": [], "b": []}
+    for n in (1, 2):  # the turns interleave: a, b, a, b
+        got["a"].append(text_of(turn(a, A_TURNS[n - 1], n)))
+        got["b"].append(text_of(turn(b, B_TURNS[n - 1], n)))
+    assert got == alone
+    assert [e.user for e in a.conversation.exchanges] == A_TURNS
+    assert [e.user for e in b.conversation.exchanges] == B_TURNS
+    assert a.last_prompt_reused > 0, "its own cache survived the other session's turn"
+
+
+def test_transformers_sessions_generate_at_the_same_time_on_the_shared_weights(tiny_llama: TinyLlama, tmp_path,
+                                                                             monkeypatch):
+    """``thread-safe``: two sessions' generations overlap, and each answers as it does alone."""
+    fresh_models(monkeypatch)
+    options = {"max_tokens": 160, **GREEDY}
+    sessions = [local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, **options) for _ in range(2)]
+    alone = [text_of(turn(local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, **options), user))
+             for user in (A_TURNS[0], B_TURNS[0])]
+    start, spans, replies = threading.Barrier(2, timeout=30), [(0.0, 0.0)] * 2, [""] * 2
+
+    def converse(i: int) -> None:
+        start.wait()
+        deltas, t0 = [], time.monotonic()
+        for delta in sessions[i].process("text", Transcript(turn=1, text=(A_TURNS[0], B_TURNS[0])[i])):
+            deltas.append(delta)
+            if len(deltas) == 1:
+                t0 = time.monotonic()
+        spans[i], replies[i] = (t0, time.monotonic()), text_of(deltas)
+
+    threads = [threading.Thread(target=converse, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert replies == alone
+    (a0, a1), (b0, b1) = spans
+    assert a0 < b1 and b0 < a1, "one session's reply streamed while the other's did"
+
+
+def test_mlx_sessions_take_turns_generating(tiny_llama: TinyLlama, tmp_path, monkeypatch):
+    """``locked``: a session's reply waits for the other's last token, then answers as it does alone."""
+    fresh_models(monkeypatch)
+    alone = text_of(turn(local_node(MLXLLM, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY), B_TURNS[0]))
+    a = local_node(MLXLLM, tiny_llama.hf_dir, tmp_path, max_tokens=LONG, **GREEDY)
+    b = local_node(MLXLLM, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    reply_a = a.process("text", Transcript(turn=1, text=USER))
+    next(reply_a)  # a is generating
+    got: list[TextDelta] = []
+    waiting = threading.Thread(target=lambda: got.extend(turn(b, B_TURNS[0])))
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive() and got == [], "b's reply waits while a generates"
+    reply_a.close()  # a's barge-in: its generation ends, b's begins
+    waiting.join(timeout=30)
+    assert text_of(got) == alone and a.last_stop == "interrupted"
+
+
+def test_a_session_waiting_its_turn_on_mlx_stops_waiting_at_a_barge_in(tiny_llama: TinyLlama, tmp_path,
+                                                                       monkeypatch):
+    fresh_models(monkeypatch)
+    a = local_node(MLXLLM, tiny_llama.hf_dir, tmp_path, max_tokens=LONG, **GREEDY)
+    b = local_node(MLXLLM, tiny_llama.hf_dir, tmp_path, max_tokens=N_TOKENS, **GREEDY)
+    reply_a = a.process("text", Transcript(turn=1, text=USER))
+    next(reply_a)
+    got: list[TextDelta] = []
+    waiting = threading.Thread(target=lambda: got.extend(turn(b, B_TURNS[0], 3)))
+    waiting.start()
+    waiting.join(timeout=0.3)
+    t0 = time.monotonic()
+    b.on_interrupt(4)
+    waiting.join(timeout=5)
+    assert not waiting.is_alive() and time.monotonic() - t0 < 1
+    assert b.last_stop == "interrupted" and text_of(got) == ""
+    assert next(reply_a).text, "a generates on"
+    reply_a.close()
+
+
+def test_another_dtype_or_model_is_loaded_apart(tiny_llama: TinyLlama, qwen3_style_model: Path, tmp_path,
+                                                monkeypatch):
+    fresh_models(monkeypatch)
+    loads = count_model_loads(TransformersLLM, monkeypatch)
+    f32 = local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, dtype="float32", max_tokens=N_TOKENS, **GREEDY)
+    bf16 = local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, dtype="bfloat16", max_tokens=N_TOKENS, **GREEDY)
+    other = local_node(TransformersLLM, qwen3_style_model, tmp_path, dtype="float32", max_tokens=N_TOKENS, **GREEDY)
+    again = local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, dtype="float32", max_tokens=4)
+    assert loads == [str(tiny_llama.hf_dir), str(tiny_llama.hf_dir), str(qwen3_style_model)]
+    assert again._model is f32._model and len({id(f32._model), id(bf16._model), id(other._model)}) == 3
+    assert str(next(bf16._model.parameters()).dtype) == "torch.bfloat16"
+    assert all(text_of(turn(node, USER)) for node in (f32, bf16, other))
+
+
+@pytest.fixture(scope="module")
+def templateless_model(tiny_llama: TinyLlama, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model without a chat template, as a base model comes."""
+    path = tmp_path_factory.mktemp("base-model") / "hf"
+    shutil.copytree(tiny_llama.hf_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@BOTH
+def test_a_model_without_a_chat_template_is_refused_to_every_session(cls, templateless_model: Path, tmp_path,
+                                                                    monkeypatch):
+    fresh_models(monkeypatch)
+    loads, said, refused = count_model_loads(cls, monkeypatch), [], []
+    for _ in range(2):
+        node = cls(model=str(templateless_model), **GREEDY)
+        node.ctx = Context("llm", tmp_path, progress=said.append)
+        with pytest.raises(ConfigError, match=r"has no chat template \(a base model\?\): choose an instruct"):
+            node.setup()
+        refused.append(node)  # a run closes it; held here, its model stays loaded
+    assert len(loads) == 1 and warm_ups(said) == 0
+
+
+def test_a_session_asking_for_tools_the_template_ignores_is_refused_alone(tiny_llama: TinyLlama, tmp_path,
+                                                                          monkeypatch):
+    """The tools are a session's option: checked in each setup() against the one loaded model."""
+    fresh_models(monkeypatch)
+    loads = count_model_loads(TransformersLLM, monkeypatch)
+    plain = local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, max_tokens=4, **GREEDY)
+    with pytest.raises(ConfigError, match="never mentions tools"):
+        local_node(TransformersLLM, tiny_llama.hf_dir, tmp_path, tools=["tests.support.tools:get_weather"])
+    assert len(loads) == 1 and text_of(turn(plain, USER))
 
 
 # -- chat template ----------------------------------------------------------------------------

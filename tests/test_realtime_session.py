@@ -133,14 +133,6 @@ def test_the_conversation_view_leaves_out_deleted_items_and_uses_a_responses_ins
     _, session, _ = _sink(tmp_path)
     conversation = Conversation("You are a helpful assistant.", 8)
 
-    class LLM:
-        def __init__(self) -> None:
-            self.conversation = conversation
-
-        def process(self, port, msg):
-            return None
-
-    session.bind_llm(LLM())
     for turn, (user, reply) in enumerate([("My name is Ada.", "Hello Ada."), ("I like tea.", "Tea is nice."),
                                           ("What is my name?", "")], start=1):
         item = session.user_item(turn)
@@ -150,13 +142,13 @@ def test_the_conversation_view_leaves_out_deleted_items_and_uses_a_responses_ins
         resp = session.response(turn)
         session.add_item(resp.item_id)
     session.responses[3].instructions = "Answer in French."
-    assert conversation.messages()[0] == {"role": "system", "content": "Answer in French."}
+    assert session.history(conversation).messages()[0] == {"role": "system", "content": "Answer in French."}
 
     session.delete(session.responses[2].item_id)  # "Tea is nice." is gone, the user's words stay
-    assert [(m["role"], m["content"]) for m in conversation.messages()[1:]] == [
+    assert [(m["role"], m["content"]) for m in session.history(conversation).messages()[1:]] == [
         ("user", "My name is Ada."), ("assistant", "Hello Ada."), ("user", "I like tea.\nWhat is my name?")]
     session.delete(session.user_items[1])  # a reply without its question, and nothing before it: gone too
-    assert [(m["role"], m["content"]) for m in conversation.messages()[1:]] == [
+    assert [(m["role"], m["content"]) for m in session.history(conversation).messages()[1:]] == [
         ("user", "I like tea.\nWhat is my name?")]
     assert len(conversation.exchanges) == 3, "the LLM's own history is untouched: the view leaves items out"
     with pytest.raises(ProtocolError) as unknown:

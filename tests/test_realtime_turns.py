@@ -182,31 +182,34 @@ def _texts(messages: list[dict[str, Any]]) -> str:
     return json.dumps(messages)
 
 
-def test_per_response_instructions_and_modalities_apply_to_that_response_only(served):
+def test_per_response_instructions_and_modalities_apply_to_that_response_only(served, monkeypatch):
+    from nodes.tts.piper import PiperTTS
+
     url, server = served
     special = "You are a pirate. Answer every question in the voice of a pirate."
 
     spoken: dict[str, list[str]] = {"first": [], "second": []}
+    now = ["first"]  # the response being made
+    synthesize = PiperTTS.synthesize  # what the session's own Piper node is asked to speak
+    monkeypatch.setattr(PiperTTS, "synthesize",
+                        lambda tts, sentence: (spoken[now[0]].append(sentence), synthesize(tts, sentence))[1])
 
     async def talk():
         async with sdk(url) as conn:
             created = await conn.recv()
             session = server.sessions[created.session.id]
             conversation = session.llm.conversation
-            synthesize = session.tts.synthesize  # the session's own Piper node: what it is asked to speak
-            now = spoken["first"]
-            session.tts.synthesize = lambda sentence: (now.append(sentence), synthesize(sentence))[1]
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create(response={"instructions": special, "output_modalities": ["text"]})
             first = await _collect(conn)
-            during = conversation.messages()[0]  # the request for that response
-            now = spoken["second"]
+            during = session.history(conversation).messages()[0]  # the request for that response
+            now[0] = "second"
             await conn.conversation.item.create(item={**item, "content": [{"type": "input_text",
                                                                           "text": "And goodbye."}]})
             await conn.response.create()
             second = await _collect(conn)
-            after = conversation.messages()[0]
+            after = session.history(conversation).messages()[0]
             return created, first, during, second, after
 
     created, first, during, second, after = run(talk())
@@ -228,7 +231,8 @@ def test_deleted_items_leave_the_conversation_the_llm_sees(served):
     async def talk():
         async with sdk(url) as conn:
             created = await conn.recv()
-            conversation = server.sessions[created.session.id].llm.conversation
+            session = server.sessions[created.session.id]
+            conversation = session.llm.conversation
             await conn.conversation.item.create(item=said("My favourite colour is turquoise.", "item_colour"))
             await conn.response.create(response={"output_modalities": ["text"]})
             colour = (await _collect(conn))[-1]
@@ -237,10 +241,10 @@ def test_deleted_items_leave_the_conversation_the_llm_sees(served):
             await _collect(conn)
             await conn.conversation.item.delete(item_id=colour.response.output[0].id)  # the reply to the colour
             events = await _collect(conn, until_type="conversation.item.deleted")
-            no_reply = conversation.messages()
+            no_reply = session.history(conversation).messages()  # what its LLM sends
             await conn.conversation.item.delete(item_id="item_colour")
             events += await _collect(conn, until_type="conversation.item.deleted")
-            no_colour = conversation.messages()
+            no_colour = session.history(conversation).messages()  # what its LLM sends
             await conn.conversation.item.delete(item_id="item_nope", event_id="evt_del")
             events += await _collect(conn, until_type="error")
             await conn.conversation.item.create(item=said("Never mind.", "item_pending"))

@@ -96,16 +96,57 @@ def test_typed_messages_join_the_transcripts_on_their_way_to_the_llm():
 
 def test_built_in_backends_say_how_their_sessions_use_what_they_share():
     from nodes.llm.chat import ChatCompletionsLLM
+    from nodes.llm.mlx import MLXLLM
+    from nodes.llm.transformers import TransformersLLM
+    from nodes.stt.parakeet import ParakeetSTT
     from nodes.stt.whisper import WhisperSTT
+    from nodes.stt.whisper_hf import WhisperHFSTT
     from nodes.tts.espeak import EspeakTTS
+    from nodes.tts.kokoro import KokoroTTS
     from nodes.tts.piper import PiperTTS
+    from nodes.tts.qwen3 import Qwen3TTS
     from nodes.vad.silero import SileroVAD
 
-    for cls in (SileroVAD, WhisperSTT, PiperTTS):
-        assert cls.shared_safety.startswith("thread-safe"), cls
-    assert EspeakTTS.shared_safety.startswith("locked")
+    for cls in (SileroVAD, WhisperSTT, PiperTTS, TransformersLLM, WhisperHFSTT):
+        assert cls.shared_safety.startswith("thread-safe: "), cls
+    for cls in (EspeakTTS, MLXLLM, ParakeetSTT, KokoroTTS, Qwen3TTS):
+        assert cls.shared_safety.startswith("locked: "), cls
     assert ChatCompletionsLLM.shared_safety.startswith("per session")
     assert SileroVAD().shared_key() == SileroVAD(threshold=0.7).shared_key(), "one ONNX session for all settings"
+
+
+def test_what_decides_a_local_backends_load_is_its_shared_key_and_nothing_else():
+    """Weights, device and dtype make the key; a session's own options (prompt, sampling,
+    language, voice, speed) do not, so sessions that differ only in those share one load."""
+    from nodes.llm.mlx import MLXLLM
+    from nodes.llm.transformers import TransformersLLM
+    from nodes.stt.parakeet import ParakeetSTT
+    from nodes.stt.whisper_hf import WhisperHFSTT
+    from nodes.tts.kokoro import KokoroTTS
+    from nodes.tts.qwen3 import Qwen3TTS
+
+    same = [
+        (TransformersLLM(model="m"), TransformersLLM(model="m", system_prompt="Be brief.", temperature=0.1, seed=1,
+                                                     max_tokens=8, prompt_cache=False)),
+        (MLXLLM(model="m"), MLXLLM(model="m", top_p=0.5, enable_thinking=True)),
+        (WhisperHFSTT(model="m"), WhisperHFSTT(model="m", language="auto", beam_size=4)),
+        (ParakeetSTT(model="m", backend="mlx"), ParakeetSTT(model="m", backend="mlx")),
+        (KokoroTTS(voice="af_heart"), KokoroTTS(voice="af_bella", speed=1.5, sample_rate=16000)),
+        (Qwen3TTS(backend="cuda"), Qwen3TTS(backend="cuda", speaker="Aiden", chunk_frames=8)),
+    ]
+    for first, second in same:
+        assert first.shared_key() == second.shared_key(), type(first)
+    apart = [
+        (TransformersLLM(model="m"), TransformersLLM(model="m", dtype="bfloat16")),
+        (TransformersLLM(model="m"), TransformersLLM(model="m", device="cpu")),
+        (TransformersLLM(model="m"), TransformersLLM(model="n")),
+        (WhisperHFSTT(model="m"), WhisperHFSTT(model="m", dtype="float16")),
+        (ParakeetSTT(model="m", backend="mlx"), ParakeetSTT(model="m", backend="mlx", dtype="bfloat16")),
+        (KokoroTTS(), KokoroTTS(lang_code="b")),
+        (Qwen3TTS(backend="cuda"), Qwen3TTS(backend="ggml")),
+    ]
+    for first, second in apart:
+        assert first.shared_key() != second.shared_key(), type(first)
 
 
 def test_two_servers_keep_the_same_models_and_each_lets_go_of_its_own():

@@ -38,7 +38,7 @@ from nodes.io._realtime_events import (
 )
 from nodes.io._realtime_session import Pending, Response, Session
 from nodes.io.realtime import RealtimeSink, RealtimeSource, fit_vad_settings, vad_turn_settings
-from s2s_flow.messages import AudioOut, Speech, SpeechStarted, TextDelta
+from s2s_flow.messages import Speech, SpeechStarted
 from s2s_flow.node import Context, keep_shared, require
 
 __all__ = ["RealtimeServer"]
@@ -295,7 +295,8 @@ class _Connection:
         graph = server.make_graph()
         self._bind(graph)
         run_dir = server.run_dir / "sessions" / session.id
-        scheduler = Scheduler(graph, run_dir, own_gc=False)  # the server settles the collector
+        # the server settles the collector; the session decides for its nodes (ctx.session)
+        scheduler = Scheduler(graph, run_dir, own_gc=False, session=session)
         thread = threading.Thread(target=self._run_graph, args=(scheduler, graph, run_dir),
                                   name=f"session:{session.id}", daemon=True)
         session.send({"type": "session.created", "session": session.config.to_event(session.id)})
@@ -337,10 +338,8 @@ class _Connection:
             elif SpeechStarted in spec.cls.outputs.values() and session.vad is None:
                 session.vad = node
             elif hasattr(node, "conversation") and session.llm is None:
-                session.bind_llm(node)
+                session.llm = node
                 llm_name = name
-            elif _synthesizer(spec.cls) and session.tts is None:
-                session.bind_tts(node)
         session.hears_audio = any(e.dst == llm_name and issubclass(e.type, Speech) for e in graph.edges)
         if session.llm is not None:
             session.config.instructions = session.llm.conversation.system_prompt
@@ -630,12 +629,6 @@ class _Connection:
             self.session.playback.set_heard(resp.turn, heard, played_s=end_ms / 1000, t=time.monotonic())
         self.session.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
                            "audio_end_ms": end_ms})
-
-
-def _synthesizer(cls: type) -> bool:
-    """Text in, audio out, and no text on (the TTS; not a gate that holds both)."""
-    outputs = cls.outputs.values()
-    return TextDelta in cls.inputs.values() and AudioOut in outputs and TextDelta not in outputs
 
 
 def _transport(send: Any) -> Any:

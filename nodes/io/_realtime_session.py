@@ -1,10 +1,12 @@
 """A Realtime session: the bridge between one connection's asyncio side and its graph's threads.
 
 It holds what the protocol knows of the conversation (items, responses, client tool calls, user
-messages waiting for ``response.create``), decides which user turns start a reply by themselves
-(``Session.holds``), and shapes what the session's LLM sees of its history (deleted items left
-out, a response's own instructions). nodes/io/realtime.py's source and sink, and the server in
-nodes/io/_realtime_app.py, share one Session per connection.
+messages waiting for ``response.create``). It is also the session its graph's nodes ask through
+``ctx.session`` (the node contract's ``SessionHooks``): which user turns the LLM answers by
+themselves (not the ``holds`` ones), which replies are spoken (responses with audio), and what the
+LLM sees of its history (deleted items left out, a response's own instructions).
+nodes/io/realtime.py's source and sink, and the server in nodes/io/_realtime_app.py, share one
+Session per connection.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from nodes._playback import Playback
 from nodes.io._realtime_events import ProtocolError, SessionConfig, error_event, message_item, new_id
 from nodes.llm._conversation import Exchange
 from s2s_flow.messages import Speech
+from s2s_flow.node import SessionHooks
 
 __all__ = ["Session", "Response", "Pending", "ClientCall"]
 
@@ -93,7 +96,7 @@ class ClientCall:
     answered: threading.Event = field(default_factory=threading.Event)
 
 
-class Session:
+class Session(SessionHooks):
     """One connection's bridge between the asyncio server and the graph's threads (thread-safe).
 
     ``send`` hands a server event to the connection (``emit``: thread-safe, bounded by the
@@ -112,7 +115,6 @@ class Session:
         self.playback: Playback | None = None
         self.llm: Any = None  # the session's LLM node: instructions go to its conversation
         self.vad: Any = None  # the session's VAD node: turn_detection's numbers go to it
-        self.tts: Any = None  # the session's TTS node: it speaks only the responses with audio
         self.hears_audio = False  # the LLM takes the user's audio itself (stt=none)
         self.observe = observe  # metrics callback: (name, value)
         self.closed = False
@@ -277,39 +279,12 @@ class Session:
 
     # -- the conversation the LLM sees ----------------------------------------------------
 
-    def bind_llm(self, llm: Any) -> None:
-        """Make ``llm`` this session's: it answers only the user messages the session lets through
-        (``holds``), and its requests see the conversation as the client edited it."""
-        self.llm = llm
-        original = llm.process
+    # -- what the session's nodes ask (ctx.session) -----------------------------------------
 
-        def process(port: str, msg: Any) -> Any:
-            if self.holds(msg.turn):
-                return None  # answered only on response.create, as a turn of its own
-            return original(port, msg)
-
-        llm.process = process  # the scheduler takes node.process when the session's graph starts
-        conversation = getattr(llm, "conversation", None)
-        if conversation is not None:
-            messages = type(conversation).messages
-
-            def shown(*args: Any, **kwargs: Any) -> Any:
-                return messages(self.visible(conversation), *args, **kwargs)
-
-            conversation.messages = shown
-
-    def bind_tts(self, tts: Any) -> None:
-        """Make ``tts`` this session's: the text of a response without audio (``output_modalities:
-        ["text"]``) never reaches it, so nothing is synthesized only to be thrown away."""
-        self.tts = tts
-        original = tts.process
-
-        def process(port: str, msg: Any) -> Any:
-            if not self.speaks(msg.turn):
-                return None
-            return original(port, msg)
-
-        tts.process = process  # the scheduler takes node.process when the session's graph starts
+    def answers(self, turn: int) -> bool:
+        """The LLM answers a user turn by itself unless the session holds it for ``response.create``
+        (it is then answered as a turn of its own)."""
+        return not self.holds(turn)
 
     def speaks(self, turn: int) -> bool:
         """Whether the reply to ``turn`` has audio: its response's modalities, or the session's
@@ -318,7 +293,7 @@ class Session:
             resp = self.responses.get(turn)
             return "audio" in (resp.modalities if resp is not None else self.config.output_modalities)
 
-    def visible(self, conversation: Any) -> Any:
+    def history(self, conversation: Any) -> Any:
         """A view of ``conversation`` for one request: deleted items left out, and the system
         prompt of the response being made (``response.create``'s instructions) if it has one."""
         with self.lock:

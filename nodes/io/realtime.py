@@ -15,9 +15,9 @@ Turns: with ``turn_detection`` server_vad (the default) the session's own VAD en
 with the client's threshold, silence and padding; ``create_response: false`` holds a turn's
 reply until ``response.create``; ``turn_detection: null`` leaves the VAD out and the client
 ends each turn with ``input_audio_buffer.commit``. The session decides which user messages
-start a reply (``Session.holds``) and what of the conversation the LLM sees (deleted items,
-per-response instructions), through the LLM node it binds (``Session.bind_llm``): see
-nodes/io/_realtime_session.py.
+start a reply (``Session.holds``), which replies are spoken and what of the conversation the
+LLM sees (deleted items, per-response instructions); the graph's nodes ask it through
+``ctx.session`` (the node contract's ``SessionHooks``): see nodes/io/_realtime_session.py.
 
     s2s-run recipe=local_cpu io=realtime                    # ws://127.0.0.1:8765/v1/realtime
 """

@@ -1,6 +1,8 @@
 """The part the in-process LLMs (``llm=transformers``, ``llm=mlx``) share: options, the
-bounded history, the chat template, turn handling and interrupts. A subclass loads a
-model in ``setup()`` and implements ``generate`` (prompt token ids -> text pieces).
+bounded history, the chat template, turn handling and interrupts. A subclass loads the
+model once per process (``load_model``, through the node contract's shared resources) and
+implements ``generate`` (prompt token ids -> text pieces); each session's node keeps its
+own history and key/value cache.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from nodes._hub import model_path
@@ -21,7 +24,7 @@ from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, TextDelta, Transcript
 from s2s_flow.node import Node
 
-__all__ = ["LocalLLM", "split_tool_calls"]
+__all__ = ["LocalLLM", "SharedModel", "split_tool_calls"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -31,9 +34,18 @@ TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"  # Qwen3 / Hermes: a JSON c
 _NAMED_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:(?P<arguments>.*)$', re.S)
 
 
+@dataclass
+class SharedModel:
+    """What the sessions of a process share: the weights and the tokenizer, warmed up (a holder:
+    a tuple cannot be weakly referenced). Nothing a session changes lives here."""
+
+    model: Any
+    tokenizer: Any
+
+
 class LocalLLM(Node):
     """Shared body of the in-process LLMs: a subclass loads a model and tokenizer in
-    ``setup()`` and implements :meth:`generate` (prompt token ids -> text pieces)."""
+    :meth:`load_model` and implements :meth:`generate` (prompt token ids -> text pieces)."""
 
     inputs = {"text": Transcript}
     outputs = {"text": TextDelta}
@@ -74,6 +86,8 @@ class LocalLLM(Node):
         self.conversation = Conversation(system_prompt, max_history_turns)
         self.toolbox = Toolbox(tools, choice=tool_choice, timeout_s=tool_timeout_s, max_rounds=max_tool_rounds,
                                filler=tool_filler, filler_after_s=tool_filler_after_s)
+        self._shared: SharedModel | None = None  # the process's model: held, so it stays loaded
+        self._model: Any = None
         self._tokenizer: Any = None
         self._prompt_opens_thinking = False
         self._stale_below = -(2**62)  # turns below this were interrupted
@@ -93,12 +107,33 @@ class LocalLLM(Node):
 
     # -- what a subclass provides -----------------------------------------------------
 
+    def load_model(self) -> SharedModel:
+        """Load the weights and tokenizer (once per process per ``shared_key()``)."""
+        raise NotImplementedError
+
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         """Reply text pieces for the prompt; stop at the next token once ``stop`` is set,
         and also when the generator is closed. Sets ``last_reply_tokens`` and ``last_stop``."""
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Take the process's model (the first session loads and warms it up), then check it
+        against this session's options: every session is told what is wrong with it."""
+        self.bind(self.shared())
+        self.check_chat_template()
+
+    def load_shared(self) -> SharedModel:
+        loaded = self.load_model()
+        self.bind(loaded)
+        if self.has_chat_template():  # without one, setup() says so, to every session
+            self.warm_up()
+        return loaded
+
+    def bind(self, loaded: SharedModel) -> None:
+        """Use ``loaded`` for this session's generations."""
+        self._shared, self._model, self._tokenizer = loaded, loaded.model, loaded.tokenizer
 
     def chat_prompt(self, messages: list[dict[str, Any]], tool_choice: str = "none") -> list[int]:
         """Token ids of the conversation in the model's chat template, ready for the reply.
@@ -132,8 +167,11 @@ class LocalLLM(Node):
             kwargs["enable_thinking"] = self.enable_thinking
         return {**kwargs, **self.chat_template_kwargs}
 
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
     def check_chat_template(self) -> None:
-        if not getattr(self._tokenizer, "chat_template", None):
+        if not self.has_chat_template():
             raise ConfigError(
                 f"llm.model={self.model!r} has no chat template (a base model?): choose an instruct "
                 f"or chat model, e.g. the default of {self.backend}"
@@ -154,7 +192,8 @@ class LocalLLM(Node):
                                  self.backend.removeprefix("llm="))
 
     def warm_up(self) -> None:
-        """One short generation: the first turn then pays no allocation or kernel-selection cost."""
+        """One short generation, once per process (``load_shared``): the first turn of every
+        session then pays no allocation or kernel-selection cost."""
         self.ctx.progress(f"warming up {self.model}")
         start = time.monotonic()
         messages = Conversation(self.conversation.system_prompt, 1)
@@ -162,12 +201,17 @@ class LocalLLM(Node):
         pieces = self.generate(self.chat_prompt(messages.messages()), threading.Event())
         next(pieces, None)  # prefill and the first decoding steps
         pieces.close()
+        self._cache, self._cache_ids = None, []  # the process's warm-up: every session starts alike
         self.ctx.log.info("warm-up: %.2f s", time.monotonic() - start)
 
     def reset(self) -> None:
+        """An empty history (a benchmark talking to one node; the engine gives every conversation
+        a node of its own)."""
         self.conversation = Conversation(self.conversation.system_prompt, self.conversation.max_turns)
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        if not self.ctx.session.answers(msg.turn):
+            return  # the session starts this reply later (a server's client asks for it)
         text = getattr(msg, "text", "")
         if not getattr(msg, "final", True):
             return  # partial transcripts: wait for the final one
@@ -235,7 +279,7 @@ class LocalLLM(Node):
         """One generation: text pieces, and with tools the calls it wrote (never spoken)."""
         if turn < self._stale_below:
             return
-        prompt_ids = self.chat_prompt(self.conversation.messages(), tool_choice)
+        prompt_ids = self.chat_prompt(self.ctx.session.history(self.conversation).messages(), tool_choice)
         self._stop, self._turn = threading.Event(), turn
         if turn < self._stale_below:  # interrupted while the prompt was being built
             self._stop, self._turn = None, None

@@ -89,7 +89,7 @@ class ChatCompletionsLLM(RemoteLLM):
 
     def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
         body = self.generation_options()
-        body["messages"] = self.conversation.messages(self.render_user)
+        body["messages"] = self.ctx.session.history(self.conversation).messages(self.render_user)
         if self.toolbox:
             body["tools"] = [tool.chat_schema() for tool in self.toolbox.tools.values()]
             name = named_tool(tool_choice)

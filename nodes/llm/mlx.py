@@ -2,6 +2,7 @@
 
 ``mlx_lm.stream_generate`` runs on the node's own thread, one token per step, so a barge-in
 flag is read between tokens and closing the reply closes the generation: no helper thread.
+The weights are loaded and warmed up once per process; the sessions take turns generating.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, hub_snapshot
-from nodes.llm._local import LocalLLM
-from s2s_flow.errors import ConfigError
+from nodes.llm._local import LocalLLM, SharedModel
 from s2s_flow.node import require
 
 __all__ = ["MLXLLM"]
+
+#: held by a generation from its prompt to its last token: one at a time in the process
+_GENERATING = threading.Lock()
 
 
 class MLXLLM(LocalLLM):
@@ -27,34 +30,45 @@ class MLXLLM(LocalLLM):
     def __init__(self, *, model: str = "mlx-community/Qwen3-4B-Instruct-2507-bf16", **options: Any) -> None:
         """``options``: the generation and history options of every local LLM (``LocalLLM``)."""
         super().__init__(model=model, **options)
-        self._model: Any = None
+
+    # The sampler, the prompt cache and the history are per session; the model and tokenizer
+    # (whose streaming detokenizer mlx-lm copies for each generation) are shared.
+    shared_safety = ("locked: one generation at a time in the process (MLX's Metal/CPU streams are not known "
+                     "to be safe across threads); the others wait for its last token")
+
+    def shared_key(self) -> tuple:
+        return (self.model,)
 
     def setup(self) -> None:
         ensure_installed("mlx", "mlx_lm", extra="mlx")
         check_available(self.model, self.backend)  # before the multi-second mlx_lm import
+        self._import()
+        super().setup()
+
+    def _import(self) -> None:
+        """mlx-lm and this session's sampler: in setup(), or in load_shared() when a server
+        preloads the model without a setup()."""
         self._mx = require("mlx.core", "mlx")
-        self._mlx_lm = mlx_lm = require("mlx_lm", "mlx")
+        self._mlx_lm = require("mlx_lm", "mlx")
         self._caches = require("mlx_lm.models.cache", "mlx")  # the prompt cache kept between turns
         sample_utils = require("mlx_lm.sample_utils", "mlx")
-        path = self._model_dir()
-        self.ctx.progress(f"loading {self.model} on {self._mx.default_device()}")
-        self._model, self._tokenizer = mlx_lm.load(str(path))
         # top_p=0 is mlx-lm's "off"; 1.0 keeps every token anyway
         self._sampler = sample_utils.make_sampler(temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0)
-        self.check_chat_template()
-        self.warm_up()
+
+    def load_model(self) -> SharedModel:
+        self._import()
+        path = self._model_dir()
+        self.ctx.progress(f"loading {self.model} on {self._mx.default_device()}")
+        model, tokenizer = self._mlx_lm.load(str(path))
+        return SharedModel(model, tokenizer)
 
     def _model_dir(self) -> Path:
         """The model's local directory: as given, from the hub cache, or downloaded when the hub answers."""
         patterns = require("mlx_lm.utils", "mlx").DEFAULT_ALLOW_PATTERNS
         return hub_snapshot(self.model, self.backend, allow_patterns=patterns, progress=self.ctx.progress)
 
-    def check_chat_template(self) -> None:
-        if not getattr(self._tokenizer, "has_chat_template", self._tokenizer.chat_template):
-            raise ConfigError(
-                f"llm.model={self.model!r} has no chat template (a base model?): choose an instruct "
-                f"or chat model, e.g. the default of {self.backend}"
-            )
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "has_chat_template", self._tokenizer.chat_template))
 
     def template_kwargs(self) -> dict[str, Any]:
         # mlx-lm's tokenizer wrapper renames the switch for templates that spell it otherwise,
@@ -62,6 +76,16 @@ class MLXLLM(LocalLLM):
         return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
 
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
+        while not _GENERATING.acquire(timeout=0.05):  # another session's reply is being generated
+            if stop.is_set() or self.ctx.stopping.is_set():
+                self.last_reply_tokens, self.last_stop = 0, "interrupted"
+                return
+        try:
+            yield from self._generate(prompt_ids, stop)
+        finally:
+            _GENERATING.release()
+
+    def _generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         if self.seed is not None:
             self._mx.random.seed(self.seed)
         cache, keep = self.reusable_cache(prompt_ids)
@@ -109,4 +133,4 @@ class MLXLLM(LocalLLM):
 
     def close(self) -> None:
         super().close()
-        self._model = None
+        self._model = self._shared = None

@@ -37,7 +37,8 @@ class ResponsesLLM(RemoteLLM):
 
     def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
         body = self.generation_options()
-        body["input"] = [item for m in self.conversation.messages() for item in input_items(m)]
+        history = self.ctx.session.history(self.conversation)
+        body["input"] = [item for m in history.messages() for item in input_items(m)]
         if self.toolbox:
             body["tools"] = [tool.responses_schema() for tool in self.toolbox.tools.values()]
             name = named_tool(tool_choice)

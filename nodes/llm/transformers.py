@@ -4,7 +4,8 @@ Generation runs on a helper thread and streams text through ``TextIteratorStream
 first sentence reaches TTS while the rest is still being generated. Barge-in sets a flag that
 a ``StoppingCriteria`` reads after every token; closing the reply joins the thread.
 The options, history, chat template and interrupts shared with ``llm=mlx`` live in
-``nodes/llm/_local.py``.
+``nodes/llm/_local.py``. The weights and tokenizer are loaded and warmed up once per process;
+every session generates on them from its own thread, with its own key/value cache.
 """
 
 from __future__ import annotations
@@ -12,15 +13,22 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 from nodes._hub import check_available, ensure_installed, load_offline_first
 from nodes._torch import check_device, pick_device
-from nodes.llm._local import DTYPES, LocalLLM
+from nodes.llm._local import DTYPES, LocalLLM, SharedModel
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
 __all__ = ["TransformersLLM"]
+
+
+@dataclass
+class _TorchModel(SharedModel):
+    device: str  # where it runs: llm.device resolved
+    cache_kwarg: str  # generate()'s name for the key/value cache
 
 
 class TransformersLLM(LocalLLM):
@@ -37,31 +45,52 @@ class TransformersLLM(LocalLLM):
             raise ConfigError(f"llm.dtype={dtype!r} is unknown: use one of {', '.join(DTYPES)} "
                               "(auto: the checkpoint's dtype on a GPU, float32 on CPU)")
         self.device, self.dtype = device, dtype
-        self._model: Any = None
         self._thread: threading.Thread | None = None
+
+    # generate() works on a copy of the model's generation config. A fast tokenizer refuses to
+    # change its truncation or padding while another thread encodes ("Already borrowed"): ours
+    # never asks for either, and a tokenizer.json that sets them is reset by the warm-up's
+    # encode, before any session shares it.
+    shared_safety = ("thread-safe: generate() only reads the weights (eval, inference_mode) and each session "
+                     "passes its own key/value cache; the tokenizer is only read")
+
+    def shared_key(self) -> tuple:
+        return (self.model, self.device, self.dtype)
 
     def setup(self) -> None:
         ensure_installed("torch", "transformers", extra="transformers")
         check_available(self.model, self.backend)  # before the multi-second torch import
-        self._torch = torch = require("torch", "transformers")
-        self._tf = tf = require("transformers", "transformers")
-        self._device = pick_device(torch, self.device, "llm.device")
-        on_cpu = self._device == "cpu"
-        dtype = getattr(torch, self.dtype) if self.dtype != "auto" else torch.float32 if on_cpu else "auto"
+        super().setup()
+
+    def load_model(self) -> _TorchModel:
+        torch, tf = self._torch, self._tf
+        device = pick_device(torch, self.device, "llm.device")
+        dtype = getattr(torch, self.dtype) if self.dtype != "auto" else torch.float32 if device == "cpu" else "auto"
         shown = "checkpoint dtype" if dtype == "auto" else str(dtype).removeprefix("torch.")
-        self.ctx.progress(f"loading {self.model} on {self._device} ({shown})")
+        self.ctx.progress(f"loading {self.model} on {device} ({shown})")
 
         def load(local_only: bool) -> tuple[Any, Any]:
             tokenizer = tf.AutoTokenizer.from_pretrained(self.model, local_files_only=local_only)
             model = tf.AutoModelForCausalLM.from_pretrained(self.model, dtype=dtype, local_files_only=local_only)
             return tokenizer, model
 
-        self._tokenizer, model = load_offline_first(self.model, self.backend, load)
-        self._model = model.to(self._device).eval()
+        tokenizer, model = load_offline_first(self.model, self.backend, load)
         # transformers 5.2x renamed generate's past_key_values to cache
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.check_chat_template()
-        self.warm_up()
+        cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        return _TorchModel(model.to(device).eval(), tokenizer, device=device, cache_kwarg=cache_kwarg)
+
+    def bind(self, loaded: _TorchModel) -> None:
+        super().bind(loaded)
+        self._device, self._cache_kwarg = loaded.device, loaded.cache_kwarg
+
+    # imported when first used: in setup(), or in load_shared() when a server preloads the model
+    @property
+    def _torch(self) -> Any:
+        return require("torch", "transformers")
+
+    @property
+    def _tf(self) -> Any:
+        return require("transformers", "transformers")
 
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         torch, tf = self._torch, self._tf
@@ -141,4 +170,4 @@ class TransformersLLM(LocalLLM):
         thread = self._thread
         if thread is not None:
             thread.join(timeout=5)
-        self._model = None
+        self._model = self._shared = None

@@ -2,13 +2,16 @@
 
 Parakeet-TDT 0.6b v3 transcribes 25 European languages and detects the language itself;
 the MLX port (``mlx-community/parakeet-tdt-0.6b-v3``) runs on Apple GPUs (and, slowly,
-on mlx[cpu] elsewhere).
+on mlx[cpu] elsewhere). The model is loaded and warmed up once per process; the sessions take
+turns transcribing on it.
 """
 
 from __future__ import annotations
 
 import platform
 import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,8 @@ NEMO_MODEL = "nvidia/parakeet-tdt-0.6b-v3"
 MLX_MODEL = "mlx-community/parakeet-tdt-0.6b-v3"
 _BACKENDS = ("auto", "nemo", "mlx")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: held by a transcription: one at a time in the process
+_TRANSCRIBING = threading.Lock()
 
 
 def _apple_silicon() -> bool:
@@ -67,6 +72,23 @@ class ParakeetSTT(UtteranceSTT):
         self.dtype = dtype
         self._asr = None
 
+    # NeMo's transcribe() switches the model's settings (dither, padding, eval mode) for the length
+    # of a call and restores them after; parakeet-mlx runs on MLX streams.
+    shared_safety = ("locked: one transcription at a time in the process: NeMo's transcribe() changes the "
+                     "model's settings for the call, and MLX's streams are not known to be safe across threads")
+
+    def shared_key(self) -> tuple:
+        return (self.backend, self.model, self.device, self.dtype)
+
+    def load_shared(self) -> Callable[[np.ndarray], str]:
+        """The transcribing function (a closure over the model), warmed up."""
+        self.ctx.progress(f"loading {self.model} ({self.backend})")
+        asr = self._load_mlx() if self.backend == "mlx" else self._load_nemo()
+        self.ctx.progress("warming up Parakeet")
+        with _TRANSCRIBING:
+            asr(np.zeros(self.input_rate // 2, np.float32))
+        return asr
+
     def setup(self) -> None:
         if self.backend == "mlx":
             ensure_installed("mlx", "parakeet_mlx", extra="parakeet")
@@ -74,17 +96,11 @@ class ParakeetSTT(UtteranceSTT):
             ensure_installed("torch", "nemo", extra="parakeet")
         marker = "config.json" if self.backend == "mlx" else f"{self.model.rsplit('/', 1)[-1]}.nemo"
         check_available(self.model, f"stt=parakeet, {self.backend}", marker=marker)
-        self.ctx.progress(f"loading {self.model} ({self.backend})")
-        if self.backend == "mlx":
-            self._load_mlx()
-        else:
-            self._load_nemo()
-        self.ctx.progress("warming up Parakeet")
-        self.transcribe(np.zeros(self.input_rate // 2, np.float32))
+        self._asr = self.shared()
 
     # -- MLX (Apple Silicon) -------------------------------------------------------------
 
-    def _load_mlx(self) -> None:
+    def _load_mlx(self) -> Callable[[np.ndarray], str]:
         parakeet_mlx = require("parakeet_mlx", "parakeet")
         mx = require("mlx.core", "parakeet")
         from parakeet_mlx.audio import get_logmel
@@ -99,11 +115,11 @@ class ParakeetSTT(UtteranceSTT):
             mel = get_logmel(mx.array(audio, dtype=dtype), model.preprocessor_config)
             return model.generate(mel)[0].text
 
-        self._asr = transcribe
+        return transcribe
 
     # -- NeMo (Linux, CUDA) --------------------------------------------------------------
 
-    def _load_nemo(self) -> None:
+    def _load_nemo(self) -> Callable[[np.ndarray], str]:
         torch = require("torch", "parakeet")
         nemo_asr = require("nemo.collections.asr", "parakeet")
         device = self.device if self.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,7 +136,7 @@ class ParakeetSTT(UtteranceSTT):
             first = out[0]
             return first.text if hasattr(first, "text") else str(first)
 
-        self._asr = transcribe
+        return transcribe
 
     def _nemo_file(self) -> Path:
         """The .nemo checkpoint: given, inside a given directory, cached, or downloaded."""
@@ -139,7 +155,9 @@ class ParakeetSTT(UtteranceSTT):
         return hub_file(self.model, filename, backend="stt=parakeet, nemo")
 
     def transcribe(self, audio: np.ndarray) -> tuple[str, str | None]:
-        return self._asr(audio).strip(), None  # v3 detects the language but does not report it
+        with _TRANSCRIBING:
+            text = self._asr(audio)
+        return text.strip(), None  # v3 detects the language but does not report it
 
     def close(self) -> None:
         self._asr = None

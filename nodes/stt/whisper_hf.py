@@ -1,9 +1,13 @@
 """Whisper through transformers (PyTorch): distil-large-v3 by default, any Whisper checkpoint.
 
 For GPUs and Apple Silicon (cuda > mps > cpu); on a CPU-only machine stt=whisper is faster.
+The model is loaded and warmed up once per process; every session transcribes on it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +23,16 @@ __all__ = ["WhisperHFSTT"]
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _CHUNK_S = 30  # Whisper's window; longer audio takes transformers' long-form path
+
+
+@dataclass
+class _SharedWhisper:
+    """The processor and model every session of the process uses (a pair cannot be weakly referenced)."""
+
+    processor: Any
+    model: Any
+    device: str
+    dtype: Any
 
 
 class WhisperHFSTT(UtteranceSTT):
@@ -48,30 +62,48 @@ class WhisperHFSTT(UtteranceSTT):
         self.device = device
         self.dtype = dtype
         self.beam_size = beam_size
+        self._shared: _SharedWhisper | None = None
         self._model = None
         self._processor = None
 
-    def setup(self) -> None:
-        ensure_installed("torch", "transformers", extra="whisper-hf")
-        check_available(self.model, "stt=whisper_hf")  # before the multi-second torch import
+    # generate() works on a copy of the generation config (language, task); the feature
+    # extractor keeps no state and the tokenizer only decodes.
+    shared_safety = ("thread-safe: generate() only reads the weights (eval, inference_mode); "
+                     "language and beam size are passed with each call")
+
+    def shared_key(self) -> tuple:
+        return (self.model, self.device, self.dtype)
+
+    def load_shared(self) -> _SharedWhisper:
         torch = require("torch", "whisper-hf")
         transformers = require("transformers", "whisper-hf")
-        self._torch = torch
-        self._device = pick_device(torch, self.device, "stt.device")
-        self._dtype = (getattr(torch, self.dtype) if self.dtype != "auto"
-                       else torch.float16 if self._device.startswith(("cuda", "mps")) else torch.float32)
-        dtype_name = str(self._dtype).removeprefix("torch.")
-        self.ctx.progress(f"loading {self.model} on {self._device} ({dtype_name})")
+        device = pick_device(torch, self.device, "stt.device")
+        dtype = (getattr(torch, self.dtype) if self.dtype != "auto"
+                 else torch.float16 if device.startswith(("cuda", "mps")) else torch.float32)
+        self.ctx.progress(f"loading {self.model} on {device} ({str(dtype).removeprefix('torch.')})")
 
         def load(local_only: bool):
             processor = transformers.AutoProcessor.from_pretrained(self.model, local_files_only=local_only)
             model = transformers.AutoModelForSpeechSeq2Seq.from_pretrained(
-                self.model, dtype=self._dtype, local_files_only=local_only
+                self.model, dtype=dtype, local_files_only=local_only
             )
             return processor, model
 
-        self._processor, model = load_offline_first(self.model, "stt=whisper_hf", load)
-        self._model = model.to(self._device).eval()
+        processor, model = load_offline_first(self.model, "stt=whisper_hf", load)
+        model = model.to(device).eval()
+        self.ctx.progress("warming up Whisper")  # in whatever language it hears: no session's options yet
+        silence = processor(np.zeros(WHISPER_RATE // 2, np.float32), sampling_rate=WHISPER_RATE, return_tensors="pt")
+        with torch.inference_mode():
+            model.generate(silence["input_features"].to(device, dtype))
+        return _SharedWhisper(processor, model, device, dtype)
+
+    def setup(self) -> None:
+        ensure_installed("torch", "transformers", extra="whisper-hf")
+        check_available(self.model, "stt=whisper_hf")  # before the multi-second torch import
+        self._torch = require("torch", "whisper-hf")
+        shared = self._shared = self.shared()
+        self._processor, self._model, self._device, self._dtype = (
+            shared.processor, shared.model, shared.device, shared.dtype)
         gen = self._model.generation_config
         self._multilingual = bool(getattr(gen, "is_multilingual", False))
         lang_to_id = getattr(gen, "lang_to_id", None) or {}
@@ -82,8 +114,6 @@ class WhisperHFSTT(UtteranceSTT):
         if self._multilingual and self.language != "auto" and f"<|{self.language}|>" not in lang_to_id:
             raise ConfigError(f"stt.language={self.language!r} is not a language of {self.model}: use one of "
                               f"{', '.join(sorted(self._lang_of_id.values()))} or 'auto'.")
-        self.ctx.progress("warming up Whisper")
-        self.transcribe(np.zeros(WHISPER_RATE // 2, np.float32))
 
     def transcribe(self, audio: np.ndarray) -> tuple[str, str | None]:
         long_form = len(audio) > _CHUNK_S * WHISPER_RATE
@@ -106,6 +136,5 @@ class WhisperHFSTT(UtteranceSTT):
             return text, "en"
         return text, next((self._lang_of_id[i] for i in ids if i in self._lang_of_id), None)
 
-
     def close(self) -> None:
-        self._model = self._processor = None
+        self._model = self._processor = self._shared = None

@@ -126,8 +126,8 @@ class SentenceTTS(Node):
             pass
 
     def process(self, port: str, msg: TextDelta) -> Iterator[AudioOut]:
-        if msg.turn < self._cut_turn:
-            return
+        if msg.turn < self._cut_turn or not self.ctx.session.speaks(msg.turn):
+            return  # an interrupted reply, or one without audio (a server's text-only response)
         if self._pending_turn != msg.turn:  # a new reply
             self._pending = ""  # the rest of an interrupted reply: never speak it
             self._clause_open = self.first_clause_words > 0

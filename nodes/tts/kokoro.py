@@ -1,8 +1,11 @@
 """Kokoro-82M (StyleTTS2-like, 24 kHz) through the ``kokoro`` package's KPipeline: the
-reference's CPU choice. Weights come from the hub (hexgrad/Kokoro-82M) or a local directory."""
+reference's CPU choice. Weights come from the hub (hexgrad/Kokoro-82M) or a local directory.
+The pipeline (model and G2P) is loaded and warmed up once per process; the sessions take turns
+on it, one phoneme chunk at a time."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ _WEIGHTS = {"hexgrad/Kokoro-82M": "kokoro-v1_0.pth", "hexgrad/Kokoro-82M-v1.1-zh
 _SPACY_MODEL = "en_core_web_sm"
 _SPACY_WHEEL = ("https://github.com/explosion/spacy-models/releases/download/"
                 "en_core_web_sm-3.8.0/en_core_web_sm-3.8.0-py3-none-any.whl")
+#: held while a pipeline makes one chunk (G2P, then the model): one at a time in the process
+_SYNTHESIZING = threading.Lock()
 
 
 class KokoroTTS(SentenceTTS):
@@ -61,26 +66,49 @@ class KokoroTTS(SentenceTTS):
     def native_rate(self) -> int:
         return 24000
 
-    def setup(self) -> None:
-        ensure_installed("kokoro", "huggingface_hub", extra="kokoro")
-        config, weights, voices = self._files()  # first: a missing model is reported in a second
+    # The voice, the speed and the sentence go with each call; the pipeline caches the voice
+    # packs it has read (a dict, filled under the lock).
+    shared_safety = ("locked: one chunk at a time in the process: KPipeline's G2P (misaki, spaCy, an espeak-ng "
+                     "fallback) and its voice cache are not known to be thread-safe")
+
+    def shared_key(self) -> tuple:
+        return (self.model, self.lang_code, self.device)
+
+    def load_shared(self) -> Any:
+        # everything it needs from here: a server preloads the pipeline without a setup()
+        config, weights, voices = self._files()
         if self.lang_code in "ab":
             self._check_spacy_model()
+        self._voice_arg = ",".join(str(v) for v in voices)
         self.ctx.progress("importing kokoro")
         kokoro = require("kokoro", "kokoro")
         self.ctx.progress(f"loading Kokoro from {weights.parent}")
         kmodel = kokoro.KModel(repo_id=self._repo_id, config=str(config), model=str(weights))
         self._pipeline = kokoro.KPipeline(lang_code=self.lang_code, repo_id=self._repo_id,
                                           model=kmodel.to(self.device).eval())
-        self._voice_arg = ",".join(str(v) for v in voices)
         self.ctx.progress("warming up Kokoro")
-        self.warm_up()
+        self.warm_up()  # with this session's voice; another voice is read at its first sentence
+        return self._pipeline
+
+    def setup(self) -> None:
+        ensure_installed("kokoro", "huggingface_hub", extra="kokoro")
+        _, _, voices = self._files()  # first: a missing model or voice is reported in a second
+        self._voice_arg = ",".join(str(v) for v in voices)
+        self._pipeline = self.shared()
 
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         # split_pattern=None: the sentence is already one segment; Kokoro yields per phoneme chunk.
-        for result in self._pipeline(sentence, voice=self._voice_arg, speed=self.speed, split_pattern=None):
+        results = self._pipeline(sentence, voice=self._voice_arg, speed=self.speed, split_pattern=None)
+        while True:
+            with _SYNTHESIZING:
+                result = next(results, None)
+            if result is None:
+                return
             if result.audio is not None:
                 yield result.audio.detach().cpu().numpy().astype(np.float32)
+
+    def close(self) -> None:
+        self._pipeline = None
 
     @property
     def _repo_id(self) -> str:

@@ -1,13 +1,16 @@
 """Qwen3-TTS CustomVoice (the reference's default voice), 24 kHz, streamed in codec packets of
 ``chunk_frames`` x 80 ms. It needs a GPU: on Apple Silicon ``mlx-audio``, on Linux with an
 NVIDIA GPU ``faster-qwen3-tts`` on CUDA (its CUDA-graph backend). Its GGML backend
-(qwentts.cpp) needs ``qwentts-cpp-python``, which PyPI ships for Apple Silicon only."""
+(qwentts.cpp) needs ``qwentts-cpp-python``, which PyPI ships for Apple Silicon only.
+The engine is loaded and warmed up once per process; the sessions take turns on it, a sentence
+at a time."""
 
 from __future__ import annotations
 
 import importlib.util
 import platform
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.node import require
 
-__all__ = ["Qwen3TTS", "PLATFORMS"]
+__all__ = ["Qwen3TTS", "PLATFORMS", "SharedEngine"]
 
 _BACKENDS = ("auto", "cuda", "mlx", "ggml")
 _QUANTS = ("BF16", "F32", "Q8_0", "Q4_K_M")
@@ -27,10 +30,20 @@ _FRAME_S = 0.08  # one 12.5 Hz codec frame
 PLATFORMS = ("tts=qwen3 runs on Apple Silicon (tts.backend=mlx, mlx-audio) and on Linux with an NVIDIA "
              "GPU (tts.backend=cuda, faster-qwen3-tts); it has no CPU backend. Elsewhere choose tts=piper, "
              "tts=kokoro or tts=openai.")
+#: held by a sentence's synthesis from its first packet to its last: one at a time in the process
+_SYNTHESIZING = threading.Lock()
 
 
 def _apple_silicon() -> bool:
     return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+class SharedEngine:
+    """The engine every session of the process speaks with, and the speakers it knows (each
+    session checks its own against them); a holder, as some engines cannot be weakly referenced."""
+
+    def __init__(self, engine: Any, speakers: list[str] | None) -> None:
+        self.engine, self.speakers = engine, list(speakers or [])
 
 
 class Qwen3TTS(SentenceTTS):
@@ -72,35 +85,61 @@ class Qwen3TTS(SentenceTTS):
         self.backend = backend
         if backend == "auto":
             self.backend = "mlx" if _apple_silicon() else "cuda"
-        self._engine: Any = None
+        self._shared: SharedEngine | None = None
 
     @property
     def native_rate(self) -> int:
         return 24000
 
-    def setup(self) -> None:
+    # Speaker, language and instruct go with each call; the lock is held from a sentence's first
+    # packet to its last, as the engine keeps the stream's state between packets.
+    shared_safety = ("locked: one sentence at a time in the process: the engines keep state of their own "
+                     "while they stream (CUDA graphs and static caches, qwentts.cpp's context, MLX streams)")
+
+    def shared_key(self) -> tuple:
+        return (self.backend, self.model, self.quant)
+
+    def load_shared(self) -> SharedEngine:
         load = {"cuda": self._load_cuda, "mlx": self._load_mlx, "ggml": self._load_ggml}[self.backend]
-        self._engine = load()
+        shared = load()
         self.ctx.progress("warming up Qwen3-TTS")
-        self.warm_up()
+        # with this session's speaker if the engine knows it: setup() tells each session if not
+        speaker = next((s for s in shared.speakers if s.lower() == self.speaker.lower()),
+                       shared.speakers[0] if shared.speakers else self.speaker)
+        with _SYNTHESIZING:
+            for _ in self._stream(shared.engine, "Hello.", speaker):
+                pass
+        return shared
+
+    def setup(self) -> None:
+        self._shared = self.shared()
+        self.speaker = self._known_speaker(self._shared.speakers)
 
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
+        assert self._shared is not None, "setup() first"
+        with _SYNTHESIZING:
+            yield from self._stream(self._shared.engine, sentence, self.speaker)
+
+    def _stream(self, engine: Any, sentence: str, speaker: str) -> Iterator[np.ndarray]:
         if self.backend == "mlx":
-            for result in self._engine.generate(
-                text=sentence, voice=self.speaker, instruct=self.instruct, lang_code=self.language,
+            for result in engine.generate(
+                text=sentence, voice=speaker, instruct=self.instruct, lang_code=self.language,
                 stream=True, streaming_interval=self.chunk_frames * _FRAME_S,
             ):
                 yield np.asarray(result.audio, dtype=np.float32)
             return
-        for pcm, _rate, _timing in self._engine.generate_custom_voice_streaming(
-            text=sentence, speaker=self.speaker, language=self.language, instruct=self.instruct,
+        for pcm, _rate, _timing in engine.generate_custom_voice_streaming(
+            text=sentence, speaker=speaker, language=self.language, instruct=self.instruct,
             chunk_size=self.chunk_frames,
         ):
             yield np.asarray(pcm, dtype=np.float32)
 
+    def close(self) -> None:
+        self._shared = None
+
     # -- loading ------------------------------------------------------------------------
 
-    def _load_cuda(self) -> Any:
+    def _load_cuda(self) -> SharedEngine:
         if not sys.platform.startswith("linux"):
             raise ConfigError(f"tts.backend=cuda is for Linux. {PLATFORMS}")
         ensure_installed("faster_qwen3_tts", "torch", extra="qwen3-tts")
@@ -112,10 +151,9 @@ class Qwen3TTS(SentenceTTS):
         fq = require("faster_qwen3_tts", "qwen3-tts")
         self.ctx.progress(f"loading Qwen3-TTS from {path} on CUDA")
         engine = fq.FasterQwen3TTS.from_pretrained(str(path), device="cuda", dtype=torch.bfloat16)
-        self.speaker = self._known_speaker(engine.model.get_supported_speakers() or [])
-        return engine
+        return SharedEngine(engine, engine.model.get_supported_speakers())
 
-    def _load_ggml(self) -> Any:
+    def _load_ggml(self) -> SharedEngine:
         if importlib.util.find_spec("qwentts_cpp") is None and not _apple_silicon():
             raise ConfigError(
                 "tts.backend=ggml needs qwentts.cpp's Python runtime (qwentts-cpp-python), which PyPI ships "
@@ -130,8 +168,7 @@ class Qwen3TTS(SentenceTTS):
         engine = fq.FasterQwen3TTS.from_pretrained(
             self.model, backend="ggml", gguf_talker_path=talker, gguf_codec_path=codec,
         )
-        self.speaker = self._known_speaker(engine.get_supported_speakers())
-        return engine
+        return SharedEngine(engine, engine.get_supported_speakers())
 
     def _gguf_files(self, qt: Any) -> tuple[Path, Path]:
         """Talker and codec GGUFs: from a local directory, the hub cache, or a download if reachable."""
@@ -156,7 +193,7 @@ class Qwen3TTS(SentenceTTS):
         except ValueError as exc:  # a model id the GGML runtime has no weights for
             raise ConfigError(f"tts.model={self.model!r}: {exc}") from exc
 
-    def _load_mlx(self) -> Any:
+    def _load_mlx(self) -> SharedEngine:
         if not _apple_silicon():
             raise ConfigError(f"tts.backend=mlx is for Apple Silicon. {PLATFORMS}")
         ensure_installed("mlx_audio", "huggingface_hub", extra="qwen3-tts")
@@ -168,8 +205,7 @@ class Qwen3TTS(SentenceTTS):
         mlx_tts = require("mlx_audio.tts.utils", "qwen3-tts")
         engine = mlx_tts.load_model(path)
         speakers = engine.get_supported_speakers() if hasattr(engine, "get_supported_speakers") else []
-        self.speaker = self._known_speaker(speakers)
-        return engine
+        return SharedEngine(engine, speakers)
 
     def _known_speaker(self, speakers: list[str]) -> str:
         """The runtime's own spelling of ``speaker`` (lists differ in case), or a clear error."""
