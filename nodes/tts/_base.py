@@ -8,6 +8,9 @@ stops playback quickly, and closes each reply with an empty ``AudioOut(end=True)
 With ``first_clause_words`` the first clause of a reply ("The capital is Canberra,") goes
 ahead of the rest of its sentence, so the first audio does not wait for a full stop; with
 ``first_clause_max_words`` a first sentence with no comma in sight is cut after that many words.
+With ``max_words`` a long sentence is synthesized in pieces of at most that many words, cut at its
+clause ends where it has them: a neural voice's working memory grows with the text it is given
+(Piper: about 4.7 MB per word, measured), so a server's concurrent sessions stay bounded.
 The first text of each reply sent to synthesis is a ``tts_start`` trace event: where the
 LLM's part of the critical path ends and the TTS's begins (s2s_flow/metrics.py).
 """
@@ -25,7 +28,7 @@ from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node
 
-__all__ = ["SentenceTTS", "first_clause", "speakable"]
+__all__ = ["SentenceTTS", "first_clause", "in_pieces", "speakable"]
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 # A clause ends at a comma, semicolon, colon or dash followed by a space ("3,000" is not one).
@@ -46,6 +49,27 @@ def first_clause(text: str, min_words: int, max_words: int = 0) -> int:
     return 0
 
 
+def in_pieces(text: str, max_words: int) -> list[str]:
+    """``text`` cut into pieces of at most ``max_words`` words (0: whole): after its last clause end
+    within reach, else into runs of equal length (no one-word tail after a long run)."""
+    pieces: list[str] = []
+    while max_words:
+        words = list(re.finditer(r"\S+", text))
+        if len(words) <= max_words:
+            break
+        cut = 0
+        for match in _CLAUSE_END.finditer(text):
+            if len(text[: match.start()].split()) > max_words:
+                break
+            cut = match.end()
+        if not cut:
+            runs = -(-len(words) // max_words)
+            cut = words[-(-len(words) // runs) - 1].end()
+        pieces.append(text[:cut].strip())
+        text = text[cut:].strip()
+    return [p for p in (*pieces, text.strip()) if p]
+
+
 def speakable(text: str) -> bool:
     """A sentence worth synthesizing has at least one letter or digit (not just '...' or '*')."""
     return any(ch.isalnum() for ch in text)
@@ -61,7 +85,7 @@ class SentenceTTS(Node):
     max_chunk_s: ClassVar[float] = 0.5
 
     def __init__(self, *, sample_rate: int | None = None, first_clause_words: int = 0,
-                 first_clause_max_words: int = 0, threads: int = 0) -> None:
+                 first_clause_max_words: int = 0, max_words: int = 0, threads: int = 0) -> None:
         if sample_rate is not None and not 8000 <= sample_rate <= 192_000:
             raise ConfigError(
                 f"tts.sample_rate={sample_rate} is not a usable audio rate: give a rate in Hz "
@@ -78,12 +102,16 @@ class SentenceTTS(Node):
                 f"tts.first_clause_max_words={first_clause_max_words} with tts.first_clause_words="
                 f"{first_clause_words}: the cap needs the first clause on (first_clause_words > 0) and "
                 "at least as many words as it (e.g. 4 and 8), or 0 to wait for punctuation.")
+        if max_words < 0:
+            raise ConfigError(f"tts.max_words={max_words} must be >= 0: the most words synthesized at once, a "
+                              "longer sentence being spoken in pieces (0: whole sentences; e.g. 12).")
         if threads < 0:
             raise ConfigError(f"tts.threads={threads} must be >= 0: CPU threads of the synthesizer's own "
                               "pool (0: its default, one per core).")
         self.sample_rate = sample_rate
         self.first_clause_words = first_clause_words
         self.first_clause_max_words = first_clause_max_words
+        self.max_words = max_words
         #: CPU threads of the synthesizer's own pool (piper's onnxruntime), 0 = its default; a CPU
         #: budget keeps TTS off the cores the LLM generates on. Engines without a pool ignore it.
         self.threads = threads
@@ -179,22 +207,26 @@ class SentenceTTS(Node):
             self._started_turn = turn
             self.ctx.record("tts_start", turn=turn, words=len(sentence.split()))
         rate_out = self._out_rate()
-        resample: StreamResampler | None = None
-        pieces = self.synthesize(sentence)
-        try:
-            for pcm in pieces:
-                if self.interrupted(turn):
-                    return
-                if resample is None:  # made at the first piece: a remote voice reports its rate late
-                    resample = StreamResampler(self.native_rate, rate_out)
-                audio = to_float32(np.asarray(pcm).reshape(-1))
-                yield from self._chunks(resample(audio), rate_out, sentence, turn)
-        finally:  # a barge-in leaves early: let the engine release its stream now
-            close = getattr(pieces, "close", None)
-            if close is not None:
-                close()
+        resample: StreamResampler | None = None  # one for the sentence: its pieces join seamlessly
+        text = sentence
+        for text in in_pieces(sentence, self.max_words):
+            if self.interrupted(turn):
+                return
+            stream = self.synthesize(text)
+            try:
+                for pcm in stream:
+                    if self.interrupted(turn):
+                        return
+                    if resample is None:  # made at the first audio: a remote voice reports its rate late
+                        resample = StreamResampler(self.native_rate, rate_out)
+                    audio = to_float32(np.asarray(pcm).reshape(-1))
+                    yield from self._chunks(resample(audio), rate_out, text, turn)
+            finally:  # a barge-in leaves early: let the engine release its stream now
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
         if resample is not None and not self.interrupted(turn):
-            yield from self._chunks(resample.flush(), rate_out, sentence, turn)
+            yield from self._chunks(resample.flush(), rate_out, text, turn)
 
     def _chunks(self, audio: np.ndarray, rate: int, sentence: str, turn: int) -> Iterator[AudioOut]:
         step = max(1, int(self.max_chunk_s * rate))

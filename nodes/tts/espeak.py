@@ -123,9 +123,10 @@ class EspeakTTS(SentenceTTS):
 
     def __init__(self, *, voice: str = "en-us", rate: int = 175, pitch: int = 50,
                  sample_rate: int | None = None, first_clause_words: int = 0, first_clause_max_words: int = 0,
-                 threads: int = 0) -> None:
+                 max_words: int = 0, threads: int = 0) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, threads=threads)
+                         first_clause_max_words=first_clause_max_words, max_words=max_words,
+                         threads=threads)
         if not 80 <= rate <= 450:
             raise ConfigError(f"tts.rate={rate}: espeak-ng speaks 80 to 450 words per minute; "
                               "pick one in that range (default 175).")

@@ -105,10 +105,12 @@ class OpenAITTS(SentenceTTS):
         sample_rate: int | None = None,
         first_clause_words: int = 0,
         first_clause_max_words: int = 0,
+        max_words: int = 0,
         threads: int = 0,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, threads=threads)
+                         first_clause_max_words=first_clause_max_words, max_words=max_words,
+                         threads=threads)
         if response_format not in _FORMATS:
             raise ConfigError(f"tts.response_format={response_format!r}: choose pcm (raw 16-bit, lowest "
                               "latency) or wav (the server's own rate is read from the header).")

@@ -63,10 +63,12 @@ class PiperTTS(SentenceTTS):
         sample_rate: int | None = None,
         first_clause_words: int = 0,
         first_clause_max_words: int = 0,
+        max_words: int = 0,
         threads: int = 0,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, threads=threads)
+                         first_clause_max_words=first_clause_max_words, max_words=max_words,
+                         threads=threads)
         if voice is not None:
             onnx = Path(voice).expanduser()
             if onnx.suffix != ".onnx" or not onnx.is_file():

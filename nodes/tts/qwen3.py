@@ -62,10 +62,12 @@ class Qwen3TTS(SentenceTTS):
         sample_rate: int | None = None,
         first_clause_words: int = 0,
         first_clause_max_words: int = 0,
+        max_words: int = 0,
         threads: int = 0,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, threads=threads)
+                         first_clause_max_words=first_clause_max_words, max_words=max_words,
+                         threads=threads)
         if backend not in _BACKENDS:
             raise ConfigError(f"tts.backend={backend!r}: choose cuda (faster-qwen3-tts, NVIDIA GPU), mlx "
                               "(mlx-audio, Apple Silicon), ggml (qwentts.cpp) or auto (mlx on Apple Silicon, "
