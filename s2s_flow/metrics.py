@@ -142,8 +142,9 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
         "speculations": len(speculations),
         "speculation_confirmed": outcomes.count("confirmed"),
         "speculation_wasted": outcomes.count("wasted"),
-        # when each conversation's audio began: turn times minus these are times in its stream
-        "sessions": {e["conversation"]: e["t"] for e in events if e.get("kind") == "session"},
+        # when each conversation's audio began (its source says so, else its session began): turn
+        # times minus these are times in its stream
+        "sessions": {e["conversation"]: e["t"] for e in events if e.get("kind") in ("session", "playback")},
         "rings": {edge: dict(s) for edge, s in ring_stats.items()},
         "drops": drops,
         "drops_total": sum(drops.values()),

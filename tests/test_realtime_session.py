@@ -219,3 +219,33 @@ def test_the_live_transcriber_is_in_a_sessions_graph_only_when_it_is_on():
     edges = {e.key for e in plan(cfg, choices).edges}
     assert {"source.audio -> partials.audio", "vad.started -> partials.started",
             "partials.text -> sink.partial"} <= edges
+
+
+def test_a_sessions_voice_goes_to_its_own_tts_node_when_the_backend_can_switch(tmp_path, monkeypatch):
+    pytest.importorskip("espeakng_loader", reason="needs the espeak extra: pip install 's2s-flow[espeak]'")
+    import nodes.tts.espeak as espeak
+
+    spoken: list[str] = []  # the voice of each sentence espeak-ng is asked to speak
+    synthesize = espeak.espeak_synthesize
+    monkeypatch.setattr(espeak, "espeak_synthesize",
+                        lambda text, **kw: (spoken.append(kw["voice"]), synthesize(text, **kw))[1])
+
+    def reply(node: espeak.EspeakTTS) -> np.ndarray:
+        return np.concatenate([m.pcm for m in node.process("text", TextDelta(turn=1, text="Good morning.", end=True))])
+
+    nodes = []
+    for _ in range(2):
+        node = espeak.EspeakTTS()
+        node.ctx = Context("tts", tmp_path)
+        node.setup()
+        nodes.append(node)
+    _, session, _ = _sink(tmp_path)
+    session.tts = nodes[1]
+    assert session.use_voice("de") == "de" and nodes[1].voice == "de"
+    spoken.clear()
+    assert len(reply(nodes[1])) and len(reply(nodes[0]))
+    assert spoken == ["de", "en-us"], "the session's node speaks with its voice, another session's with its own"
+    assert session.use_voice("alloy") == "de", "an OpenAI voice name keeps the session's voice"
+    with pytest.raises(ProtocolError, match="'no-such-voice' is not one"):
+        session.use_voice("no-such-voice")
+    assert nodes[1].voice == "de"

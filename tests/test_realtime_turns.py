@@ -327,3 +327,29 @@ def test_a_client_that_never_reads_again_does_not_keep_its_socket(llama, tmp_pat
             while True:
                 ws.recv(timeout=30)
         assert closed.value.rcvd is None or closed.value.rcvd.code == 1008
+
+
+def test_the_voice_is_the_servers_and_openais_names_stand_for_it(served):
+    url, server = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            created = await conn.recv()
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "marin"}}})
+            alias = await _collect(conn, until_type="session.updated")
+            await conn.session.update(event_id="evt_voice", session={
+                "type": "realtime", "instructions": "Speak like a pirate.", "audio": {"output": {"voice": "nope"}}})
+            refused = await _collect(conn, until_type="error")
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "en_US-joe-medium"}}})
+            own = await _collect(conn, until_type="session.updated")
+            return created, alias[-1], refused[-1], own[-1]
+
+    created, alias, refused, own = run(talk())
+    assert created.session.audio.output.voice == "en_US-joe-medium", "the voice the session really speaks with"
+    assert alias.session.audio.output.voice == "en_US-joe-medium", "an OpenAI voice name stands for it"
+    error = refused.error
+    assert error.code == "invalid_value" and error.event_id == "evt_voice"
+    assert error.param == "session.audio.output.voice"
+    assert "'nope'" in error.message and "en_US-joe-medium" in error.message and "tts.voice" in error.message
+    assert own.session.instructions != "Speak like a pirate.", "a refused update changes nothing"
+    assert own.session.audio.output.voice == "en_US-joe-medium"

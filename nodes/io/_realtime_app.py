@@ -38,6 +38,7 @@ from nodes.io._realtime_events import (
 )
 from nodes.io._realtime_session import Pending, Response, Session
 from nodes.io.realtime import RealtimeSink, RealtimeSource, fit_vad_settings, vad_turn_settings
+from nodes.tts._base import SentenceTTS
 from s2s_flow.messages import Speech, SpeechStarted
 from s2s_flow.node import Context, keep_shared, require
 
@@ -340,6 +341,9 @@ class _Connection:
             elif hasattr(node, "conversation") and session.llm is None:
                 session.llm = node
                 llm_name = name
+            elif isinstance(node, SentenceTTS) and session.tts is None:
+                session.tts = node
+                session.config.voice = node.voice_name
         session.hears_audio = any(e.dst == llm_name and issubclass(e.type, Speech) for e in graph.edges)
         if session.llm is not None:
             session.config.instructions = session.llm.conversation.system_prompt
@@ -511,7 +515,7 @@ class _Connection:
         if isinstance(update, dict) and ("tools" in update or "tool_choice" in update):
             session.set_tools(update.get("tools", config.tools), update.get("tool_choice"))
         before = config.turn_detection
-        config.update(update, fit=lambda new: fit_vad_settings(session.vad, before, new))
+        config.update(update, fit=lambda new: fit_vad_settings(session.vad, before, new), voice=session.use_voice)
         if config.turn_detection != before:
             self.buffered = 0
             if not session.put(("turns", config.turn_detection and dict(config.turn_detection))):

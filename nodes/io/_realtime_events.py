@@ -86,7 +86,7 @@ class SessionConfig:
 
     model: str = "s2s-flow"
     instructions: str | None = None
-    voice: str = "default"
+    voice: str = "default"  # the session's TTS voice by name (its tts group's voice until changed)
     input_rate: int = 24000
     output_rate: int = 24000
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
@@ -111,9 +111,11 @@ class SessionConfig:
         """A turn the VAD ends is answered by itself (else it waits for response.create)."""
         return self.turn_detection is not None and self.turn_detection.get("create_response", True)
 
-    def update(self, session: Any, fit: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None) -> None:
+    def update(self, session: Any, fit: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
+               voice: Callable[[str], str] | None = None) -> None:
         """Apply a ``session.update``'s ``session`` object (all or nothing); ``fit`` turns the new
-        turn_detection into the settings the server will use, or refuses it (ProtocolError)."""
+        turn_detection into the settings the server will use, ``voice`` switches the session's TTS to
+        the voice asked for and names the one it speaks with; each refuses with a ProtocolError."""
         if not isinstance(session, dict):
             raise ProtocolError("invalid_value", "session.update needs a 'session' object", param="session")
         new = copy.deepcopy(self)
@@ -132,8 +134,6 @@ class SessionConfig:
             new.input_rate = _rate(inp["format"], "session.audio.input.format")
         if "format" in out:
             new.output_rate = _rate(out["format"], "session.audio.output.format")
-        if "voice" in out:
-            new.voice = str(out["voice"])
         if "turn_detection" in inp:
             new.turn_detection = _turn_detection(inp["turn_detection"], self.turn_detection or self.server_vad)
             if fit is not None:
@@ -145,6 +145,11 @@ class SessionConfig:
             new.tools = session["tools"]
         if "tool_choice" in session:
             new.tool_choice = session["tool_choice"]
+        if "voice" in out:  # last: the one change made before the update is known to be whole
+            if not isinstance(out["voice"], str) or not out["voice"].strip():
+                raise ProtocolError("invalid_value", "session.audio.output.voice must be a voice's name",
+                                    param="session.audio.output.voice")
+            new.voice = voice(out["voice"]) if voice is not None else out["voice"]
         self.__dict__.update(new.__dict__)
 
     def to_event(self, session_id: str) -> dict[str, Any]:

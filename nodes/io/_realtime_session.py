@@ -30,6 +30,8 @@ __all__ = ["Session", "Response", "Pending", "ClientCall"]
 
 _INBOX = 512  # client events waiting for the source thread (20 ms of audio each, typically)
 _REMEMBERED_TURNS = 256  # per-turn bookkeeping kept for the most recent turns only
+#: the voices of OpenAI's Realtime API: a stock client sends one; they stand for the server's own voice
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 
 
 @dataclass
@@ -115,6 +117,7 @@ class Session(SessionHooks):
         self.playback: Playback | None = None
         self.llm: Any = None  # the session's LLM node: instructions go to its conversation
         self.vad: Any = None  # the session's VAD node: turn_detection's numbers go to it
+        self.tts: Any = None  # the session's TTS node: session.update's voice goes to it
         self.hears_audio = False  # the LLM takes the user's audio itself (stt=none)
         self.observe = observe  # metrics callback: (name, value)
         self.closed = False
@@ -278,6 +281,21 @@ class Session(SessionHooks):
         self.send({"type": "response.done", "response": resp.as_response("failed", details, output=False)})
 
     # -- the conversation the LLM sees ----------------------------------------------------
+
+    def use_voice(self, name: str) -> str:
+        """``session.update``'s voice: the session's TTS switches to it if it can; OpenAI's own voice
+        names (which stock clients send) stand for the server's voice. Returns the voice spoken."""
+        tts = self.tts
+        if tts is None:  # nothing is spoken (a text-only graph)
+            return name
+        if tts.use_voice(name):
+            return tts.voice_name
+        if name.lower() in OPENAI_VOICES:
+            return tts.voice_name
+        raise ProtocolError("invalid_value", f"voice {name!r} is not one this server's TTS ({type(tts).__name__}) "
+                            f"can speak with: it speaks with {tts.voice_name!r}, for which OpenAI's voice names "
+                            f"({', '.join(OPENAI_VOICES)}) also stand; another voice is chosen with tts.voice "
+                            "when the server starts", param="session.audio.output.voice")
 
     # -- what the session's nodes ask (ctx.session) -----------------------------------------
 

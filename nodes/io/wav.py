@@ -143,6 +143,7 @@ class WavSource(Node):
         pcm = np.concatenate([pcm, np.zeros(int(self.tail_silence_s * self.rate), np.float32)])
         step = self.chunk / self.rate
         t0 = time.monotonic()
+        self.ctx.record("playback", conversation=self.ctx.conversation)  # its stream's time 0, for the metrics
         for i, start in enumerate(range(0, len(pcm), self.chunk)):
             if self.realtime:
                 delay = t0 + (i + 1) * step - time.monotonic()  # a chunk exists once fully "recorded"

@@ -137,6 +137,18 @@ class SentenceTTS(Node):
     def cancel_synthesis(self) -> None:
         """Barge-in while synthesizing (called from another thread): abort quickly if possible."""
 
+    @property
+    def voice_name(self) -> str:
+        """The voice this node speaks with, by name (what a server reports to its clients)."""
+        voice = getattr(self, "voice", None)
+        return voice if isinstance(voice, str) and voice else type(self).__name__
+
+    def use_voice(self, name: str) -> bool:
+        """Speak with the voice ``name`` from the next sentence on, if this backend can switch to it
+        within the session (a server's ``session.update``); False leaves the voice as it was. The
+        default knows only its own voice."""
+        return name == self.voice_name
+
     # -- the stage ----------------------------------------------------------------------
 
     def port_rate(self, port: str) -> int | None:

@@ -102,6 +102,13 @@ def _engine() -> _Espeak:
         return _ENGINE
 
 
+def espeak_has_voice(voice: str) -> bool:
+    """Whether espeak-ng has a voice of that name (a language, or a voice with a +variant)."""
+    engine = _engine()
+    with _LOCK:
+        return engine.configure(voice, 175, 50)
+
+
 def espeak_synthesize(
     text: str, *, voice: str = "en-us", rate: int = 175, pitch: int = 50
 ) -> tuple[np.ndarray, int]:
@@ -111,7 +118,7 @@ def espeak_synthesize(
         if not engine.configure(voice, rate, pitch):
             raise ConfigError(
                 f"tts.voice={voice!r}: espeak-ng has no such voice. Use a language or voice name "
-                "from espeak-ng-data, e.g. tts.voice=en-us, en-gb, fr, de, es or en-us+f3."
+                "from espeak-ng-data, e.g. tts.voice=en-us, en (British), fr, de, es or en-us+f3."
             )
         return engine.synth(text), engine.rate
 
@@ -144,6 +151,13 @@ class EspeakTTS(SentenceTTS):
     def setup(self) -> None:
         self.ctx.progress("loading espeak-ng")
         _, self._rate = espeak_synthesize("Hello.", voice=self.voice, rate=self.rate, pitch=self.pitch)
+
+    def use_voice(self, name: str) -> bool:
+        """Any voice espeak-ng has (tts.voice's names: en-us, en, fr, en-us+f3, ...)."""
+        if name != self.voice and not (name.strip() and espeak_has_voice(name)):
+            return False
+        self.voice = name
+        return True
 
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         # espeak renders a sentence in a few milliseconds: one piece, chunked by the base class.

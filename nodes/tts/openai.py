@@ -142,6 +142,13 @@ class OpenAITTS(SentenceTTS):
     def cancel_synthesis(self) -> None:
         self.client.abort()  # a read blocked on the server returns at once
 
+    def use_voice(self, name: str) -> bool:
+        """Any name: the speech server knows its voices (a name it lacks fails that request)."""
+        if not name.strip():
+            return False
+        self.voice = name
+        return True
+
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         turn = self.speaking_turn
         self.client.begin()

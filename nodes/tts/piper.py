@@ -155,6 +155,12 @@ class PiperTTS(SentenceTTS):
         assert self._shared is not None, "setup() first"
         return self._shared.synthesize(sentence, self._syn_config)  # usually exactly one chunk here
 
+    @property
+    def voice_name(self) -> str:
+        """The voice file's name (en_US-joe-medium for the bundled voice); one per node: another
+        voice is another model, chosen with tts.voice when the server starts."""
+        return self._voice_files()[0].name.removesuffix(".onnx")
+
     def _voice_files(self) -> tuple[Path, Path]:
         if self.voice is not None:
             model = Path(self.voice).expanduser()

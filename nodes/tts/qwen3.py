@@ -117,6 +117,18 @@ class Qwen3TTS(SentenceTTS):
         self._shared = self.shared()
         self.speaker = self._known_speaker(self._shared.speakers)
 
+    @property
+    def voice_name(self) -> str:
+        return self.speaker
+
+    def use_voice(self, name: str) -> bool:
+        """Any preset speaker of the loaded engine."""
+        known = next((s for s in (self._shared.speakers if self._shared else []) if s.lower() == name.lower()), None)
+        if known is None:
+            return name == self.speaker
+        self.speaker = known
+        return True
+
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         assert self._shared is not None, "setup() first"
         with _SYNTHESIZING:
