@@ -155,8 +155,11 @@ async def one_prompt(ws: Any, pcm: np.ndarray, speech_end_s: float, forget: bool
         await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                   "audio": base64.b64encode(data[2 * i : 2 * (i + STEP)]).decode()}))
     silence = base64.b64encode(bytes(2 * STEP)).decode()
+    i = len(data) // 2
     while not task.done() and time.monotonic() - start < len(data) / 2 / RATE + 20:
-        await asyncio.sleep(0.02)  # the microphone stays open: silence until the reply is done
+        # the microphone stays open: silence until the reply is done, on the same clock
+        i += STEP
+        await asyncio.sleep(max(0.0, start + i / RATE - time.monotonic()))
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
     task.cancel()
     if forget and task.done() and not task.cancelled():
