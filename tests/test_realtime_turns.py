@@ -353,3 +353,32 @@ def test_the_voice_is_the_servers_and_openais_names_stand_for_it(served):
     assert "'nope'" in error.message and "en_US-joe-medium" in error.message and "tts.voice" in error.message
     assert own.session.instructions != "Speak like a pirate.", "a refused update changes nothing"
     assert own.session.audio.output.voice == "en_US-joe-medium"
+
+
+def test_a_graph_that_fails_mid_response_ends_it_failed_then_says_why_and_closes(tmp_path):
+    """The LLM's server breaks off its stream before any token (a fault a real llama-server does not
+    make on demand): the response ends ``failed`` with the reason, then an error event, then a close."""
+    from tests.support.fault_server import FaultServer, Reply, chat_chunks
+
+    with FaultServer() as srv:
+        srv.script(Reply.sse(chat_chunks("never"), drop_after=0))
+        with serving(srv.base_url, tmp_path) as (url, _server):
+
+            async def talk():
+                async with sdk(url) as conn:
+                    await conn.recv()  # session.created
+                    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+                    await conn.conversation.item.create(item=item)
+                    await conn.response.create()
+                    return [event async for event in conn]  # until the server closes the connection
+
+            events = run(talk(), timeout=60)
+    kinds = types(events)
+    assert "response.done" in kinds and "error" in kinds, kinds
+    done = next(e for e in events if e.type == "response.done")
+    assert done.response.status == "failed" and done.response.status_details.error.type == "server_error"
+    assert "broke off" in done.response.status_details.error.message
+    error = next(e for e in events if e.type == "error")
+    assert kinds.index("response.done") < kinds.index("error"), kinds
+    assert error.error.type == "server_error" and "graph failed" in error.error.message
+    assert kinds[-1] == "error", "then the server closed the connection"

@@ -321,10 +321,13 @@ class _Connection:
                     "events as they come", type="server_error"))
             else:
                 if error is not None:
+                    session.fail_unfinished(f"the session's graph failed: {error}")
                     session.send(error_event("server_error", f"the session's graph failed: {error}",
                                              type="server_error"))
                 session.closed = True
-                self.out.put_nowait(None)
+                # the end marker queues behind the events already on their way (Session.send goes
+                # through the loop): the failed response and the error reach the client first
+                self.loop.call_soon(self.out.put_nowait, None)
                 await sender
                 await self._close()
 

@@ -273,12 +273,20 @@ class Session(SessionHooks):
         self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
         self.hold(turn, item_id, speech=speech)
 
-    def fail(self, resp: Response, code: str, message: str) -> None:
+    def fail(self, resp: Response, code: str, message: str, kind: str = "invalid_request_error") -> None:
         """A response that cannot be made: ``response.done`` failed, with the reason."""
         with self.lock:
             resp.done = True
-        details = {"type": "failed", "error": {"type": "invalid_request_error", "code": code, "message": message}}
+        details = {"type": "failed", "error": {"type": kind, "code": code, "message": message}}
         self.send({"type": "response.done", "response": resp.as_response("failed", details, output=False)})
+
+    def fail_unfinished(self, message: str) -> None:
+        """The session's graph failed: every response still being made ends failed, with the reason
+        (before the error event and the close), so no client waits for a ``response.done``."""
+        with self.lock:
+            unfinished = [r for r in self.responses.values() if not r.done]
+        for resp in unfinished:
+            self.fail(resp, "server_error", message, kind="server_error")
 
     # -- the conversation the LLM sees ----------------------------------------------------
 
