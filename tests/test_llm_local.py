@@ -158,9 +158,9 @@ def test_later_turns_take_what_they_share_from_the_cache_and_answer_the_same(cls
         reused.append(cached.last_prompt_reused)
         assert plain.last_prompt_reused == 0
     system_prompt = len(cached._tokenizer.encode(SYSTEM, add_special_tokens=False))
-    # turn 1 encodes its whole prompt (the warm-up was the process's, its cache no session's);
-    # later turns take the whole history before them
-    assert reused[0] == 0 and system_prompt < reused[1] < reused[2]
+    # turn 1 takes the system prompt this session primed its cache with while it started (the
+    # process's warm-up left no session a cache); later turns take the whole history before them
+    assert system_prompt <= reused[0] < reused[1] < reused[2]
     print(f"{cls.__name__}: prompt tokens taken from the cache per turn: {reused}")
 
 

@@ -119,10 +119,22 @@ class LocalLLM(Node):
     # -- shared -----------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Take the process's model (the first session loads and warms it up), then check it
-        against this session's options: every session is told what is wrong with it."""
+        """Take the process's model (the first session loads and warms it up), check it against
+        this session's options (every session is told what is wrong with it), then prime this
+        session's prompt cache."""
         self.bind(self.shared())
         self.check_chat_template()
+        self.prime()
+
+    def prime(self) -> None:
+        """Run the system prompt through the model into this session's own cache, while the
+        session starts (the user is still speaking): its first turn then prefills only its own
+        words, as every later turn does."""
+        if not self.prompt_cache:
+            return
+        start = time.monotonic()
+        self._first_steps()
+        self.ctx.log.info("prompt cache primed: %d tokens in %.2f s", len(self._cache_ids), time.monotonic() - start)
 
     def load_shared(self) -> SharedModel:
         loaded = self.load_model()
@@ -196,13 +208,17 @@ class LocalLLM(Node):
         session then pays no allocation or kernel-selection cost."""
         self.ctx.progress(f"warming up {self.model}")
         start = time.monotonic()
+        self._first_steps()
+        self._cache, self._cache_ids = None, []  # the process's warm-up: no session's cache
+        self.ctx.log.info("warm-up: %.2f s", time.monotonic() - start)
+
+    def _first_steps(self) -> None:
+        """Prefill a short exchange under the system prompt and take the first decoding steps."""
         messages = Conversation(self.conversation.system_prompt, 1)
         messages.add_user(WARMUP_TEXT, 0)
         pieces = self.generate(self.chat_prompt(messages.messages()), threading.Event())
-        next(pieces, None)  # prefill and the first decoding steps
+        next(pieces, None)
         pieces.close()
-        self._cache, self._cache_ids = None, []  # the process's warm-up: every session starts alike
-        self.ctx.log.info("warm-up: %.2f s", time.monotonic() - start)
 
     def reset(self) -> None:
         """An empty history (a benchmark talking to one node; the engine gives every conversation
