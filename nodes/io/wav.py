@@ -9,6 +9,7 @@ everything already produced.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +30,6 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".aiff", ".aif", ".mp3", ".au", ".caf
 
 
 def _input_files(spec: str | list[str] | None, where: str) -> list[Path]:
-    import soundfile as sf
-
     paths = [str(SAMPLES)] if spec is None else [spec] if isinstance(spec, str) else list(spec)
     if not paths or paths == [""]:
         raise ConfigError(f"{where}: no input given; set io.input=PATH (a WAV file, a list, or a directory)")
@@ -47,14 +46,24 @@ def _input_files(spec: str | list[str] | None, where: str) -> list[Path]:
         else:
             raise ConfigError(f"{where}: input file {p} does not exist; set io.input=PATH to an existing file")
     for f in files:
-        try:
-            info = sf.info(str(f))
-        except Exception as exc:
-            raise ConfigError(f"{where}: {f} is not a readable audio file ({exc}); "
-                              "give a WAV/FLAC/OGG file libsndfile can read") from None
-        if info.frames == 0:
-            raise ConfigError(f"{where}: {f} is empty (0 audio frames); record or pick another file")
+        stat = f.stat()
+        problem = _audio_problem(str(f), stat.st_mtime_ns, stat.st_size)
+        if problem:
+            raise ConfigError(f"{where}: {f} {problem}")
     return files
+
+
+@functools.lru_cache(maxsize=65536)
+def _audio_problem(path: str, mtime_ns: int, size: int) -> str:
+    """What makes a file unplayable ('' if nothing), read once per version of the file: every file
+    of a batch is a session on a fresh instance of the graph, whose source checks its input again."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(path)
+    except Exception as exc:
+        return f"is not a readable audio file ({exc}); give a WAV/FLAC/OGG file libsndfile can read"
+    return "is empty (0 audio frames); record or pick another file" if info.frames == 0 else ""
 
 
 class WavSource(Node):
