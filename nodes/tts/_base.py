@@ -18,8 +18,8 @@ LLM's part of the critical path ends and the TTS's begins (s2s_flow/metrics.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import ClassVar
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node
 
-__all__ = ["SentenceTTS", "first_clause", "in_pieces", "speakable"]
+__all__ = ["SentenceTTS", "first_clause", "in_pieces", "in_turn", "speakable"]
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 # A clause ends at a comma, semicolon, colon or dash followed by a space ("3,000" is not one).
@@ -68,6 +68,23 @@ def in_pieces(text: str, max_words: int) -> list[str]:
         pieces.append(text[:cut].strip())
         text = text[cut:].strip()
     return [p for p in (*pieces, text.strip()) if p]
+
+
+T = TypeVar("T")
+_END = object()
+
+
+def in_turn(items: Iterable[T], lock: Any) -> Iterator[T]:
+    """The items of a shared engine's stream, each made while holding ``lock`` (a Lock, or a
+    Semaphore of slots), which is free again before the item is handed on: a session whose
+    consumer waits holds no other session up."""
+    stream = iter(items)
+    while True:
+        with lock:
+            item = next(stream, _END)
+        if item is _END:
+            return
+        yield item  # type: ignore[misc]
 
 
 def speakable(text: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from nodes._hub import ensure_installed, hub_file, local_dir, model_path, reachable
-from nodes.tts._base import SentenceTTS
+from nodes.tts._base import SentenceTTS, in_turn
 from s2s_flow.errors import ConfigError, ModelNotAvailable
 from s2s_flow.node import require
 
@@ -101,11 +101,7 @@ class KokoroTTS(SentenceTTS):
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         # split_pattern=None: the sentence is already one segment; Kokoro yields per phoneme chunk.
         results = self._pipeline(sentence, voice=self._voice_arg, speed=self.speed, split_pattern=None)
-        while True:
-            with _SYNTHESIZING:
-                result = next(results, None)
-            if result is None:
-                return
+        for result in in_turn(results, _SYNTHESIZING):
             if result.audio is not None:
                 yield result.audio.detach().cpu().numpy().astype(np.float32)
 

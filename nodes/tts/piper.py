@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes.tts._base import SentenceTTS
+from nodes.tts._base import SentenceTTS, in_turn
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -32,12 +32,7 @@ class SharedVoice:
     def synthesize(self, text: str, syn_config: Any = None) -> Iterator[np.ndarray]:
         """Piper's chunks (one per sentence it finds), each made in a slot; the slot is free
         again before the chunk is handed on, so a consumer that waits holds no one up."""
-        pieces = iter(self.voice.synthesize(text, syn_config=syn_config))
-        while True:
-            with self._slots:
-                chunk = next(pieces, None)
-            if chunk is None:
-                return
+        for chunk in in_turn(self.voice.synthesize(text, syn_config=syn_config), self._slots):
             yield chunk.audio_float_array
 
 
