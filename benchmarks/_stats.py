@@ -1,5 +1,6 @@
 """The one percentile the benchmark scripts report, so that every p50/p95 they print means the
-same thing (DESIGN.md 8: p50/p95 over runs, not single runs).
+same thing. Latency is reported as p50/p95 over many turns and runs, never as a single run: one
+turn's voice-to-voice moves by tens of milliseconds from run to run.
 
     from benchmarks._stats import percentile
     percentile([120.0, 95.0, 180.0], 95)   # 174.0

@@ -49,8 +49,8 @@ from s2s_flow.cli import plan  # noqa: E402
 from s2s_flow.compose import compose  # noqa: E402
 from s2s_flow.corpus import manifest  # noqa: E402
 from s2s_flow.messages import AudioChunk, AudioOut, Speech, TextDelta, Transcript  # noqa: E402
+from s2s_flow.model_server import managed_server  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
-from s2s_flow.server import managed_server  # noqa: E402
 
 BUDGET = 0.05
 

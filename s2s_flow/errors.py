@@ -75,6 +75,12 @@ class NodeFailed(S2SError):
         super().__init__(f"node '{node}' failed: {detail}")
 
 
+class Stopped(S2SError):
+    """The run was stopped by a signal (SIGINT, SIGTERM): what was already written is kept."""
+
+    exit_code = 130
+
+
 class Abort(BaseException):
     """Carries an answer out through code that catches every Exception (Hydra's launchers
     and its error report, which would print a traceback) up to s2s-run, which prints it."""

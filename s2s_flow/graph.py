@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from s2s_flow.errors import ConfigError, answer_within
 from s2s_flow.messages import Message
-from s2s_flow.node import Node
+from s2s_flow.node import Node, joined_ports
 
 __all__ = ["NodeSpec", "Edge", "Graph", "build_graph", "load_class"]
 
@@ -155,9 +155,10 @@ def build_graph(cfg: DictConfig, choices: dict[str, str] | None = None) -> Graph
 
     flowing: dict[type[Message], tuple[str, str]] = {}  # type -> nearest producer still flowing
     produced: dict[type[Message], tuple[str, str]] = {}  # type -> nearest producer at all
-    joining: dict[type[Message], tuple[str, str]] = {}  # Node.joins ports, for their type's first consumer
+    joining: dict[type[Message], tuple[str, str]] = {}  # joined_ports(), for their type's first consumer
     for name in graph.chain:
         cls = graph.nodes[name].cls
+        joins = joined_ports(cls)
         consumed = []
         for port, typ in cls.inputs.items():
             if (name, port) in explicit_dst:
@@ -179,7 +180,7 @@ def build_graph(cfg: DictConfig, choices: dict[str, str] | None = None) -> Graph
             flowing.pop(typ, None)
             produced.pop(typ, None)
             flowing[typ] = produced[typ] = (name, port)
-            if port in cls.joins:
+            if port in joins:
                 joining[typ] = (name, port)
 
     for src, src_port, dst, dst_port in explicit:

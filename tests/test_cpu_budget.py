@@ -7,8 +7,8 @@ import pytest
 
 from s2s_flow.cli import plan
 from s2s_flow.compose import compose
+from s2s_flow.model_server_spec import ServerSpec
 from s2s_flow.node import Context
-from s2s_flow.server import ServerSpec
 
 
 def test_piper_runs_on_the_threads_it_is_given(tmp_path):

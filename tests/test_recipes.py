@@ -16,8 +16,8 @@ from s2s_flow.cli import plan
 from s2s_flow.compose import compose
 from s2s_flow.llama_server import find_llama_server
 from s2s_flow.messages import Speech
+from s2s_flow.model_server_spec import ServerSpec
 from s2s_flow.node import Context
-from s2s_flow.server import ServerSpec
 from tests.support.managed import RECIPES, REPO, cli_env, processes_with, question_wav, run_cli
 from tests.support.servers import free_port, smollm2_gguf_path
 

@@ -1,4 +1,5 @@
-"""The scheduler: drain on end of stream, failures, signals, interrupts, sessions."""
+"""The scheduler: drain on end of stream, failures (whatever ends a node's thread), signals,
+interrupts, sessions."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 from s2s_flow.errors import NodeFailed
 from s2s_flow.graph import build_graph
 from s2s_flow.messages import Transcript
+from s2s_flow.rings import RingClosed
 from s2s_flow.scheduler import Scheduler
 from s2s_flow.validate import validate
 from tests.support.managed import wait_until
@@ -148,7 +150,8 @@ SIGNAL_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, ".")
     from omegaconf import OmegaConf
     from s2s_flow.graph import build_graph
-    from s2s_flow.scheduler import Scheduler, Stopped
+    from s2s_flow.errors import Stopped
+    from s2s_flow.scheduler import Scheduler
     from s2s_flow.validate import validate
     T = "tests.support.nodes."
     cfg = OmegaConf.create({"chain": ["src", "up", "out"], "src": {"_target_": T + "CountSource", "n": 10**9},
@@ -226,3 +229,39 @@ def test_a_yielded_output_reaches_its_consumer_while_the_stream_waits(tmp_path, 
     runner.join(10)
     assert stream.in_time == [True]
     assert [m.text.strip(":").lower() for m in out.got] == ["first", "second"]
+
+
+@pytest.mark.parametrize("chain, culprit", [
+    ({"src": f"{T}CountSource", "bad": f"{T}ClosesRing", "out": f"{T}Collect"}, "bad"),
+    ({"bad": f"{T}ClosesRingSource", "out": f"{T}CollectTranscripts"}, "bad"),
+])
+def test_a_ring_closed_that_ends_a_node_thread_fails_the_run_and_names_the_node(chain, culprit, tmp_path,
+                                                                                monkeypatch):
+    unreported: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", unreported.append)
+    cfg = OmegaConf.create({"chain": list(chain), **{k: {"_target_": v} for k, v in chain.items()}})
+    s = Scheduler(validate(build_graph(cfg)), tmp_path)
+    with pytest.raises(NodeFailed) as failed:
+        s.run()
+    assert failed.value.node == culprit and isinstance(failed.value.exc, RingClosed)
+    assert f"node '{culprit}' failed: RingClosed" in str(failed.value)
+    assert unreported == []
+
+
+def test_an_exception_in_a_node_loop_s_own_cleanup_fails_the_run_and_names_the_node(tmp_path, monkeypatch):
+    unreported: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", unreported.append)
+    cfg = OmegaConf.create({"chain": ["src", "out"], "src": {"_target_": f"{T}CountSource"},
+                            "out": {"_target_": f"{T}CollectTranscripts"}})
+    s = Scheduler(validate(build_graph(cfg)), tmp_path)
+    close_outputs = s._close_outputs
+
+    def broken(run):  # the engine's own cleanup raising, after the node's loop
+        close_outputs(run)
+        if run.name == "src":
+            raise OSError("cleanup failed")
+
+    monkeypatch.setattr(s, "_close_outputs", broken)
+    with pytest.raises(NodeFailed, match="node 'src' failed: OSError: cleanup failed"):
+        s.run()
+    assert unreported == []

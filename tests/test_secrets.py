@@ -267,7 +267,7 @@ def test_what_is_masked_is_what_each_node_class_declares():
 
 def test_secret_overrides_reach_hydra_as_references_to_the_environment(monkeypatch: pytest.MonkeyPatch):
     from s2s_flow.compose import compose
-    from s2s_flow.server import ServerSpec
+    from s2s_flow.model_server_spec import ServerSpec
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the S2S_SECRET_n it sets go with the test
     args = ["recipe=vllm_qwen3", "llm.api_key=k6-abcdef", "llm.max_tokens=24",

@@ -1,5 +1,6 @@
-"""Sessions and shared resources in the node contract (DESIGN.md 10): what is per session
-lives on the node, what is heavy is loaded once per process per ``shared_key()``."""
+"""Sessions and shared resources in the node contract: a session is one conversation (one
+instance of the graph: a file of a batch, the microphone, a server's connection); what is per
+session lives on the node, what is heavy is loaded once per process per ``shared_key()``."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def test_shared_resources_are_freed_with_their_last_session_unless_kept():
 
 
 def test_new_turns_rise_across_the_nodes_of_a_run(tmp_path):
-    shared: dict = {}
-    a, b = Context("vad", tmp_path, shared=shared), Context("source", tmp_path, shared=shared)
+    run_state: dict = {}
+    a, b = Context("vad", tmp_path, run_state=run_state), Context("source", tmp_path, run_state=run_state)
     turns = [a.new_turn(), b.new_turn(), a.new_turn()]
     assert turns == [1, 2, 3]
     assert Context("vad", tmp_path).new_turn() == 1, "another session counts on its own"

@@ -1,5 +1,6 @@
 """A batch of files (io=wav with a directory) runs as sessions, like a server's connections: a fresh
-instance of the graph per file, the heavy parts loaded once (DESIGN.md 10)."""
+instance of the graph per file (its own rings, threads, history and VAD state), the heavy parts
+(weights, ONNX / CTranslate2 sessions) loaded once for the whole batch."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Every sweep runs the real CLI in a subprocess on real components: the offline stack
 (Silero, Whisper tiny.en, SmolLM2 in llama-server, Piper / espeak-ng) for the 2x2 sweep,
-the cheap source -> VAD chain where only the bookkeeping is under test.
+the cheap source -> VAD chain where only the bookkeeping is under test, and the small nodes of
+tests/support/nodes.py where a job's outcome is (a dry run that sets nothing up, a failed job).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.support.managed import run_cli, write_recipes
 from tests.support.speech import synthesize
 
 
@@ -147,3 +149,44 @@ def test_a_sweep_over_the_hesitant_corpus_counts_false_ends_and_wasted_speculati
     assert job["figures"]["false_ends"] == 0 and job["figures"]["speculation_wasted"] == 2
     scored = json.loads((Path(job["run_dir"]) / "accuracy.json").read_text())
     assert [d["cut_off_turns"] for d in scored["conversations"]] == [[], []]
+
+
+# -- the outcome of a sweep ---------------------------------------------------------------------
+
+T = "tests.support.nodes."
+MARK = f"""chain: [src, mark]
+src: {{_target_: {T}CountSource, n: 3}}
+mark:
+  _target_: {T}MarkSetup
+  path: ???
+  fail: false
+"""
+
+
+def test_a_dry_run_sweep_sets_nothing_up_and_starts_no_server(tmp_path):
+    mark = tmp_path / "setup-ran"
+    marked = MARK.replace("???", str(mark))
+    env = write_recipes(tmp_path / "conf", stops_mark=marked, stops_mark_server=marked + f"""server:
+  command: [sh, -c, "echo started > {mark}.server"]
+  ready_url: http://127.0.0.1:9/health
+  start_timeout_s: 2
+""")
+    out = run_cli(["-m", "recipe=stops_mark_server,stops_mark", "dry_run=true",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path, env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("src.text -> mark.text") == 2  # each job's graph, printed
+    assert not mark.exists() and not Path(f"{mark}.server").exists()
+    rows = read_csv(tmp_path / "sweep" / "sweep.csv")
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+
+
+def test_a_sweep_with_a_failed_job_writes_its_report_then_exits_non_zero(tmp_path):
+    env = write_recipes(tmp_path / "conf", stops_mark=MARK)
+    out = run_cli(["-m", "recipe=stops_mark", f"mark.path={tmp_path / 'setup-ran'}", "mark.fail=false,true",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path, env, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    rows = read_csv(tmp_path / "sweep" / "sweep.csv")
+    assert [r["status"] for r in rows] == ["ok", "failed"]
+    assert "node 'mark' failed: RuntimeError: model file is corrupt" in rows[1]["error"]
+    assert "2 jobs, 1 ok, 1 failed" in (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "sweep: 2 jobs, 1 failed" in out.stderr

@@ -357,7 +357,7 @@ class _Connection:
 
     def _run_graph(self, scheduler: Any, graph: Any, run_dir: Path) -> None:
         from s2s_flow import metrics
-        from s2s_flow.scheduler import Stopped
+        from s2s_flow.errors import Stopped
 
         error: BaseException | None = None
         try:

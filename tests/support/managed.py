@@ -70,6 +70,14 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def write_recipes(root: Path, **files: str) -> dict[str, str]:
+    """Write test recipes (``name=yaml body``) into ``root/recipe/`` and return the CLI env that finds them."""
+    (root / "recipe").mkdir(parents=True, exist_ok=True)
+    for name, body in files.items():
+        (root / "recipe" / f"{name}.yaml").write_text("# @package _global_\n" + body)
+    return cli_env(S2S_FLOW_CONFIG_PATH=str(root))
+
+
 def start_cli(args: Sequence[str], run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``s2s-run ARGS hydra.run.dir=RUN_DIR`` in the background; output captured as text."""
     return subprocess.Popen(

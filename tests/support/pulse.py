@@ -342,7 +342,8 @@ def run_barge_in(overrides: list[str], base_url: str, out_dir: Path, *, sink: st
     from nodes._playback import playback_of
     from s2s_flow.cli import plan
     from s2s_flow.compose import compose
-    from s2s_flow.scheduler import Scheduler, Stopped
+    from s2s_flow.errors import Stopped
+    from s2s_flow.scheduler import Scheduler
 
     cfg, choices = compose(["io=mic", f"llm.base_url={base_url}/v1", f"io.output_dir={out_dir}", *overrides])
     cfg.io.source = OmegaConf.create({"_target_": f"{__name__}.ScriptedUser", "talk_over_after_s": talk_over_after_s})

