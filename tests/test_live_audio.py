@@ -31,6 +31,7 @@ from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStart
 from s2s_flow.node import Context, Node
 from s2s_flow.scheduler import Scheduler
 from s2s_flow.validate import validate
+from tests.support.loads import count_loads, fresh_models
 from tests.support.pulse import Recorder, Speaker, pulse_server
 from tests.support.speech import synthesize
 
@@ -225,14 +226,16 @@ def test_barge_in_silences_the_speaker_within_a_block_and_records_the_words_hear
     user = scheduler.graph.nodes["user"].node
     sink = scheduler.graph.nodes["sink"].node
     interrupt = next(e for e in scheduler.trace.events if e["kind"] == "interrupt")
-    assert interrupt["turn"] == 2 and interrupt["t"] - user.speech_t < 0.05
-    last_sound = max(rec.loud_times())
-    assert last_sound - interrupt["t"] < 0.02 + sink.output_latency_s + 0.05  # one block + the device buffer
+    assert interrupt["turn"] == 2 and interrupt["t"] >= user.speech_t  # the user's speech interrupted it
     played = [t for t in rec.loud_times() if t < interrupt["t"]]
     assert played[-1] - played[0] > 1.5  # it was speaking until then
 
     rows = [json.loads(line) for line in (tmp_path / "transcript.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["interrupted"] is True
+    # silent at once: the room heard no more than the speaker had handed to the device at the cut
+    # (the block in flight and the device's buffer are part of it) and the 5 ms fade, a 10 ms
+    # recording block at each end; in samples recorded (how soon, in ms: benchmarks/bench_live.py)
+    assert rec.voiced_span() <= rows[0]["reply_audio_s"] + 0.04
     heard = rows[0]["heard"]
     assert heard == playback_of(sink.ctx).heard(1)
     full = " ".join(REPLY)
@@ -313,11 +316,16 @@ def test_without_a_sound_server_there_is_no_default_device_and_the_error_says_so
     assert "ConfigError io.output_device: there is no default output device" in out.stdout, out.stdout + out.stderr
 
 
-def test_io_mic_wires_barge_in_and_live_partials_without_loading_anything():
-    started = time.monotonic()
+def test_io_mic_wires_barge_in_and_live_partials_without_loading_anything(monkeypatch):
+    import faster_whisper
+    import onnxruntime
+
+    fresh_models(monkeypatch)
+    whisper = count_loads(faster_whisper, "WhisperModel", monkeypatch)  # stt, partials
+    onnx = count_loads(onnxruntime, "InferenceSession", monkeypatch)  # vad, tts=piper
     cfg, choices = compose(["io=mic", "io.partials.interval_ms=400", "io.barge_in.min_speech_ms=300"])
     graph = plan(cfg, choices)
-    assert time.monotonic() - started < 5
+    assert (whisper, onnx) == ([], []), "planning a graph loads no model"
     edges = {e.key for e in graph.edges}
     assert {"vad.started -> sink.started", "vad.speech -> sink.speech", "source.audio -> sink.mic",
             "stt.text -> sink.user", "llm.text -> sink.agent", "tts.audio -> sink.audio",

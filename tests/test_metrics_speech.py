@@ -4,7 +4,10 @@ Piper speaks three utterances separated by digital silence; the file is played i
 time through Silero VAD (and, in the last test, Whisper, SmolLM2 in llama-server and
 Piper). The true end of each utterance is known to the sample, and the VAD's own estimate
 of it is known by running the same node on the same chunks outside the engine, so the
-error of the metrics' end of speech splits into the VAD's share and the engine's.
+error of the metrics' end of speech splits into the VAD's share and the engine's. The
+engine's share is checked exactly (each chunk's own time stamp places the VAD's estimate
+on the run's clock), never against a bound on how late a paced chunk may be: that jitter
+depends on the machine's load, and benchmarks/bench_timing.py prints it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from omegaconf import OmegaConf
 
 from tests.support.speech import speech_with_pauses
 
 VAD_WINDOW_S = 512 / 16000  # 32 ms
 CHUNK_S = 0.020  # io.chunk_ms
-JITTER_S = 0.016  # the paced source's wake-up jitter (about 2 ms on an idle machine)
 UTTERANCES = ["What is the weather like today?", "Tell me a joke about cats.", "Thank you very much."]
 
 
@@ -45,15 +48,10 @@ def s2s_run(run_dir: Path, *overrides: str, timeout: float = 300) -> dict:
             "trace": json.loads((run_dir / "trace.json").read_text()), "stderr": proc.stderr}
 
 
-def playback_start(trace: dict) -> float:
-    """When the file started to play (s since the run start): in real time the first 20 ms
-    chunk leaves the source once it has been 'recorded', 20 ms after the start."""
-    return trace["nodes"]["source"]["0"]["first_out"] - CHUNK_S
-
-
-def vad_stream_ends(path: Path) -> list[float]:
-    """Silero's own end-of-speech estimates for the file, in stream seconds: the same node,
-    fed the same 20 ms chunks (stamped with stream time) outside the engine."""
+def vad_stream_ends(path: Path) -> list[tuple[float, float]]:
+    """Silero's own end-of-speech estimates for the file, in stream seconds, each with the end of
+    the chunk it was decided in: the same node, fed the same 20 ms chunks (stamped with stream
+    time) outside the engine."""
     from nodes.vad.silero import SileroVAD
     from s2s_flow.messages import AudioChunk, Speech
     from s2s_flow.node import Context
@@ -67,26 +65,47 @@ def vad_stream_ends(path: Path) -> list[float]:
     ends = []
     for i in range(0, len(pcm), step):
         chunk = AudioChunk(pcm=pcm[i:i + step], rate=rate, start=i / rate, t=(i + step) / rate)
-        ends += [m.speech_end_t for m in vad.process("audio", chunk) if isinstance(m, Speech)]
+        ends += [(m.speech_end_t, (i + step) / rate) for m in vad.process("audio", chunk) if isinstance(m, Speech)]
     return ends
 
 
 @pytest.fixture(scope="module")
 def vad_only_run(conversation, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The file through the engine in real time (source -> VAD), with a node beside the VAD that
+    keeps the time stamp of every chunk the source made: the metrics, and those stamps on the
+    run's clock (seconds since its start)."""
+    from s2s_flow import metrics
+    from s2s_flow.cli import plan
+    from s2s_flow.compose import compose
+    from s2s_flow.scheduler import Scheduler
+
     path, _ = conversation
-    return s2s_run(tmp_path_factory.mktemp("vad-run"), "chain=[io.source,vad]", f"io.input={path}",
-                   "io.realtime=true")
+    cfg, choices = compose(["chain=[io.source,vad]", f"io.input={path}", "io.realtime=true"])
+    cfg.nodes = OmegaConf.create({"chunks": {"_target_": "tests.support.nodes.ChunkTimes"}})
+    cfg.edges = ["source.audio -> chunks.audio"]
+    scheduler = Scheduler(plan(cfg, choices), tmp_path_factory.mktemp("vad-run"))
+    trace = scheduler.run()
+    made = scheduler.graph.nodes["chunks"].node.made
+    return {"metrics": metrics.report(trace, scheduler.ring_stats, scheduler.graph),
+            "chunk_t": {start: t - trace.t0 for start, t in made.items()}}
 
 
-def test_metrics_end_of_speech_is_the_vads_estimate_on_the_wall_clock(conversation, vad_only_run):
-    """What the engine and the metrics add to the VAD's own estimate: scheduling jitter only."""
+def stream_time_of(run: dict, decided_at: float) -> float:
+    """Where the run's clock stood at stream time 0, as the chunk that ends at ``decided_at``
+    (stream s) tells it: that chunk's time stamp minus its end in the stream."""
+    return run["chunk_t"][round(decided_at - CHUNK_S, 6)] - decided_at
+
+
+def test_metrics_end_of_speech_is_the_vads_estimate_placed_on_the_run_clock(conversation, vad_only_run):
+    """What the engine and the metrics add to the VAD's own estimate: only the time stamp of the
+    chunk the VAD decided in, which places its stream estimate on the run's clock."""
     path, _ = conversation
     turns = vad_only_run["metrics"]["turns"]
     expected = vad_stream_ends(path)
     assert len(turns) == len(expected) == len(UTTERANCES)
-    start = playback_start(vad_only_run["trace"])
-    errors = [t["speech_end_s"] - (start + e) for t, e in zip(turns, expected, strict=True)]
-    assert all(abs(e) <= JITTER_S for e in errors), f"errors (s): {errors}"
+    for t, (end, decided_at) in zip(turns, expected, strict=True):
+        # the same estimate, decided in the same chunk as outside the engine; the trace rounds to 1 us
+        assert t["speech_end_s"] == pytest.approx(stream_time_of(vad_only_run, decided_at) + end, abs=2e-6)
     for t in turns:  # the VAD lets go after its 500 ms hangover, counted from the first silent window
         # (1-3 windows after the true end: Silero's lag and decay), rounded up to whole windows
         assert 500 <= t["vad_ms"] <= 500 + 4 * VAD_WINDOW_S * 1000
@@ -97,14 +116,15 @@ def test_speech_end_is_within_one_vad_window_of_the_truth(conversation, vad_only
     # Silero's own estimate, from the audio alone: measured 10, 10 and 22 ms late on this
     # speech (deterministic audio: tests/support/speech.py); at most 30 ms over 8 draws
     # of Piper's noise. Within one window, as its decisions are made window by window.
-    own = [e - end for e, end in zip(vad_stream_ends(path), ends, strict=True)]
+    estimates = vad_stream_ends(path)
+    own = [e - end for (e, _), end in zip(estimates, ends, strict=True)]
     assert all(abs(e) <= VAD_WINDOW_S for e in own), f"Silero's errors (s): {own}"
     turns = vad_only_run["metrics"]["turns"]
     assert len(turns) == len(ends)
-    start = playback_start(vad_only_run["trace"])
-    errors = [t["speech_end_s"] - (start + end) for t, end in zip(turns, ends, strict=True)]
-    # the engine adds the paced source's wake-up jitter (the test above bounds it)
-    assert all(abs(e) <= VAD_WINDOW_S + JITTER_S for e in errors), f"errors (s): {errors}"
+    # the metrics' end of speech, back in stream time by the chunk that decided it, is as close
+    errors = [t["speech_end_s"] - stream_time_of(vad_only_run, decided_at) - end
+              for t, (_, decided_at), end in zip(turns, estimates, ends, strict=True)]
+    assert all(abs(e) <= VAD_WINDOW_S for e in errors), f"errors (s): {errors}"
 
 
 def test_latencies_of_the_offline_stack_are_measured_from_the_end_of_speech(conversation, tmp_path: Path,
@@ -112,19 +132,18 @@ def test_latencies_of_the_offline_stack_are_measured_from_the_end_of_speech(conv
     path, _ = conversation
     run = s2s_run(tmp_path / "run", "llm=chat", f"llm.base_url={smollm2_server}/v1", "llm.max_tokens=40",
                   "llm.temperature=0", "stt=whisper", "tts=piper", "server=null",
-                  f"io.input={path}", "io.realtime=true")
+                  "io.sink._target_=tests.support.nodes.StampedWavSink", f"io.input={path}", "io.realtime=true")
     rep, trace = run["metrics"], run["trace"]
     turns = rep["turns"]
-    expected = vad_stream_ends(path)
-    assert len(turns) == len(expected) == len(UTTERANCES)
-    start = playback_start(trace)
-    sink = trace["nodes"]["sink"]
-    for t, end in zip(turns, expected, strict=True):
-        # a loaded CPU (all stages on 2 cores) delays the paced source's wake-ups a little more
-        assert abs(t["speech_end_s"] - (start + end)) <= VAD_WINDOW_S
-        # voice-to-voice: the first reply audio at the sink minus the end of speech
-        first_audio = sink[str(t["turn"])]["marks"]["in:audio"]
-        assert t["voice_to_voice_ms"] == pytest.approx((first_audio - t["speech_end_s"]) * 1000, abs=0.2)
+    assert len(turns) == len(UTTERANCES)
+    # the sink's own stamp of each reply's first audio, taken as it handled it
+    heard = {e["turn"]: e["t"] for e in trace["events"] if e["kind"] == "sink_first_audio"}
+    for t in turns:
+        # voice-to-voice ends when the first reply audio reached the sink: the engine notes its arrival
+        # just before the sink handles it (the same batch: within a few ms, 50 on a busy machine;
+        # the report rounds voice-to-voice to 0.1 ms)
+        reached = t["speech_end_s"] + t["voice_to_voice_ms"] / 1000
+        assert reached <= heard[t["turn"]] + 1e-4 and heard[t["turn"]] - reached < 0.05, (t, heard)
         chain = [t[k] for k in ("vad_ms", "stt_ms", "llm_first_token_ms", "llm_first_sentence_ms",
                                 "tts_first_audio_ms", "voice_to_voice_ms")]
         assert chain == sorted(chain) and chain[0] >= 500, chain

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -56,23 +55,36 @@ def test_a_failing_node_stops_the_graph_promptly_and_is_named(tmp_path):
     s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 100000},
                              "up": {"_target_": T + "Upper"},
                              "out": {"_target_": T + "Collect", "fail_on": ":50"}})
-    t0 = time.monotonic()
     with pytest.raises(NodeFailed, match=r"node 'out' failed: RuntimeError: boom on :50"):
         s.run()
-    assert time.monotonic() - t0 < 1.0
+    assert [m.text for m in node(s, "out").got] == [f":{i}" for i in range(50)]  # nothing after the failure
+    assert s.trace.nodes["src"][1].n_out < 100000, "the source was stopped, not drained"
     assert not [t for t in threading.enumerate() if t.name.startswith("node:")]
+    # how soon it stops (target: well under a second): benchmarks/bench_timing.py
 
 
-def test_a_node_stuck_in_process_is_closed_to_unblock_it_when_another_fails(tmp_path):
+def test_a_node_stuck_in_process_is_closed_to_unblock_it_when_another_fails(tmp_path, monkeypatch):
     s = scheduler(tmp_path, {"src": {"_target_": T + "CountSource", "n": 3},
-                             "stuck": {"_target_": T + "Blocker"},
+                             "stuck": {"_target_": T + "Blocker", "wait_s": 20},
                              "out": {"_target_": T + "Collect"}})
     stuck = node(s, "stuck")
-    threading.Timer(0.2, s._fail, args=("out", RuntimeError("disk full"))).start()
-    t0 = time.monotonic()
+
+    def fail_once_stuck() -> None:  # another node fails while this one is blocked inside process()
+        if stuck.inside.wait(20):
+            s._fail("out", RuntimeError("disk full"))
+
+    close_all, alive_at_teardown = s._close_all, []
+
+    def teardown() -> None:  # the run's last close() of every node: too late to unblock anything
+        alive_at_teardown.append(s._runs["stuck"].thread.is_alive())
+        close_all()
+
+    monkeypatch.setattr(s, "_close_all", teardown)
+    threading.Thread(target=fail_once_stuck, daemon=True).start()
     with pytest.raises(NodeFailed, match="disk full"):
         s.run()
-    assert time.monotonic() - t0 < 1.5 and stuck.closed
+    assert stuck.released == [True], "close() let the blocked process() go (not its own time-out)"
+    assert alive_at_teardown == [False], "closed while the run waited for its thread, which then ended"
     assert not [t for t in threading.enumerate() if t.name.startswith("node:")]
 
 
@@ -165,21 +177,21 @@ SIGNAL_SCRIPT = textwrap.dedent("""
     try:
         s.run()
     except Stopped as exc:
-        print("stopped:", exc, flush=True)
+        left = [t.name for t in threading.enumerate() if t.name.startswith("node:")]
+        print("stopped:", exc, f"({len(left)} node threads left)", flush=True)
         sys.exit(130)
 """)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_sigint_and_sigterm_stop_a_running_graph_within_a_second(sig, tmp_path):
+def test_sigint_and_sigterm_stop_a_running_graph_and_every_node_thread(sig, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT], cwd=os.getcwd(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "running"
-    t0 = time.monotonic()
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=10)
-    assert time.monotonic() - t0 < 1.0, err
-    assert proc.returncode == 130 and f"stopped by {sig.name}" in out
+    out, err = proc.communicate(timeout=10)  # a hang, not a figure: bench_timing.py measures it (target: 1 s)
+    assert proc.returncode == 130 and f"stopped by {sig.name}" in out, err
+    assert "(0 node threads left)" in out
 
 
 def test_returned_outputs_go_out_by_type_or_named_port_in_order(tmp_path):

@@ -28,6 +28,7 @@ from s2s_flow.node import Context
 from tests.support.fixtures import llama_server_binary, smollm2_gguf, smollm2_server  # noqa: F401
 from tests.support.remote_llm import llm_node, text_of
 from tests.support.speech import synthesize
+from tests.support.wer import wer
 
 RATE = 16000
 QUESTION = "What is the capital of Australia?"
@@ -49,11 +50,13 @@ def _joined(parts: list[str], pause_s: float, tail_s: float = 1.0) -> np.ndarray
 
 
 class _Engine:
-    """What the VAD asks of the engine: rising turn numbers, a trace, interrupts (recorded)."""
+    """What the VAD asks of the engine: rising turn numbers, a trace, interrupts (recorded); and
+    when each message came out, in stream time (the audio fed until then)."""
 
     def __init__(self) -> None:
         self.events: list[dict] = []
         self.interrupts: list[tuple[int, str]] = []
+        self.at: dict[int, float] = {}  # id(message) -> seconds of audio fed when the VAD sent it
         self.ctx = Context("vad", Path("."), record=lambda kind, **f: self.events.append({"kind": kind, **f}),
                            interrupt=lambda turn, reason: self.interrupts.append((turn, reason)))
 
@@ -66,7 +69,9 @@ def _vad_run(pcm: np.ndarray, **params) -> tuple[list[Message], _Engine]:
     out: list[Message] = []
     for i in range(0, len(pcm), 320):
         chunk = AudioChunk(pcm=pcm[i : i + 320], rate=RATE, start=i / RATE, t=1000.0 + (i + 320) / RATE)
-        out += list(vad.process("audio", chunk))
+        for msg in vad.process("audio", chunk):
+            engine.at[id(msg)] = (i + 320) / RATE
+            out.append(msg)
     return out + list(vad.finish() or []), engine
 
 
@@ -83,8 +88,10 @@ def test_a_finished_question_is_sent_at_the_early_pause_and_confirmed_with_the_s
     assert first.speculative and not final.speculative
     assert first.turn == final.turn and np.array_equal(first.pcm, final.pcm)
     assert first.speech_end_t == final.speech_end_t and first.end == final.end
-    # sent about 300 ms before the turn ended (200 vs 500 ms of silence), in stream time
-    assert first.t < final.t
+    # sent about 300 ms of the stream before the turn ended (200 vs 500 ms of silence; the VAD
+    # decides once per 32 ms window)
+    early = engine.at[id(final)] - engine.at[id(first)]
+    assert abs(early - 0.3) <= 512 / RATE, early
     assert [e["kind"] for e in engine.events] == ["speculation", "speculation_end"]
     assert engine.events[1] == {"kind": "speculation_end", "node": "vad", "turn": final.turn, "outcome": "confirmed"}
     assert engine.interrupts == []
@@ -167,12 +174,14 @@ def test_a_long_utterance_is_decoded_at_its_pauses_and_only_its_tail_at_the_end(
     assert len(calls) == len(speech) - 1
     tail, prompt = calls[-1]
     assert prompt and tail < len(speech[-1].pcm) / 2
-    # at least as accurate as decoding the whole utterance at once (bench_stt_incremental.py
-    # measures WER on more speech): here the whole decode reads "Kioto and Asaka"
-    whole, _ = whisper.transcribe(speech[-1].pcm)
     names = ("japan", "kyoto", "osaka", "book")
     assert all(w in final.text.lower() for w in names), final.text
-    assert sum(w in final.text.lower() for w in names) >= sum(w in whole.lower() for w in names)
+    # at least as accurate as decoding the whole utterance at once (bench_stt_incremental.py
+    # measures WER on more speech): here the whole decode reads "Kioto and Asaka"; a CPU that
+    # decodes another way may give the incremental one a word more wrong, not a sentence
+    whole, _ = whisper.transcribe(speech[-1].pcm)
+    reference = " ".join(PASSAGE)
+    assert wer([reference], [final.text]) <= wer([reference], [whole]) + 1 / len(reference.split()), (final, whole)
 
 
 # -- the gate -----------------------------------------------------------------------------------

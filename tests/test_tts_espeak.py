@@ -1,6 +1,9 @@
-"""espeak-ng TTS node through the espeakng-loader library: streaming, options, rates, barge-in."""
+"""espeak-ng TTS node through the espeakng-loader library: streaming, options, rates, barge-in, and
+sessions sharing its one engine."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -121,3 +124,47 @@ def test_espeak_and_piper_share_a_process(tmp_path) -> None:
     for _ in range(2):
         assert len(np.concatenate(list(piper.synthesize(FIRST)))) > 22050
         assert len(np.concatenate(list(espeak.synthesize(FIRST)))) > 22050
+
+
+def test_sessions_on_their_own_threads_synthesize_one_at_a_time_each_in_its_own_voice(tmp_path) -> None:
+    """libespeak-ng has one global state: the lock must keep calls from overlapping (ctypes lets
+    go of the GIL inside them) and keep one session's voice and rate out of another's audio."""
+    import nodes.tts.espeak as espeak
+
+    sessions = [make(tmp_path, voice="en-us", rate=175), make(tmp_path, voice="en-us+f3", rate=300),
+                make(tmp_path, voice="de", rate=120)]
+    alone = [np.concatenate(list(s.synthesize(SECOND))) for s in sessions]  # one after another
+    engine = espeak._engine()
+    synth, inside, most, count = engine.synth, [0], [0], threading.Lock()
+
+    def watched(text: str) -> np.ndarray:  # how many syntheses run at once
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            return synth(text)
+        finally:
+            with count:
+                inside[0] -= 1
+
+    start = threading.Barrier(len(sessions), timeout=30)
+    made: list[list[np.ndarray]] = [[] for _ in sessions]
+
+    def speak(i: int) -> None:
+        start.wait()  # every session asks at the same moment
+        for _ in range(8):
+            made[i].append(np.concatenate(list(sessions[i].synthesize(SECOND))))
+
+    engine.synth = watched  # type: ignore[method-assign]
+    try:
+        threads = [threading.Thread(target=speak, args=(i,)) for i in range(len(sessions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        del engine.synth
+    assert most[0] == 1, "one synthesis at a time"
+    assert [len(m) for m in made] == [8, 8, 8]
+    for i, pieces in enumerate(made):
+        assert all(np.array_equal(p, alone[i]) for p in pieces), f"session {i} got another session's settings"

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from s2s_flow.messages import AudioChunk, Message, TextDelta, Transcript
+from nodes.io.wav import WavSink
+from s2s_flow.messages import AudioChunk, AudioOut, Message, TextDelta, Transcript
 from s2s_flow.node import Node
 from s2s_flow.rings import RingClosed
 
@@ -115,17 +116,22 @@ class Collect(Node):
 
 
 class Blocker(Node):
-    """Blocks inside process() until close() is called, like a stuck network read."""
+    """Blocks inside process() until close() is called, like a stuck network read. ``inside`` is
+    set once it blocks; ``released`` says, per call, whether close() let it go (False: it gave
+    up after ``wait_s``)."""
 
     inputs = {"text": Transcript}
     outputs = {"text": TextDelta}
 
-    def __init__(self) -> None:
-        self.release = threading.Event()
+    def __init__(self, *, wait_s: float = 30.0) -> None:
+        self.wait_s = wait_s
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.released: list[bool] = []
         self.closed = False
 
     def process(self, port: str, msg: Message) -> None:
-        self.release.wait(30)
+        self.inside.set()
+        self.released.append(self.release.wait(self.wait_s))
 
     def close(self) -> None:
         self.closed = True
@@ -303,3 +309,31 @@ class ClosesRingSource(Node):
     def produce(self) -> Iterator[Transcript]:
         yield Transcript(turn=1, text="one")
         raise RingClosed("a ring of its own")
+
+
+class ChunkTimes(Node):
+    """Keeps, per audio chunk it is given, its stream offset and the time it was made (``t``)."""
+
+    inputs = {"audio": AudioChunk}
+
+    def __init__(self) -> None:
+        self.made: dict[float, float] = {}  # chunk start (s in the stream) -> its t (monotonic)
+
+    def process(self, port: str, msg: Message) -> None:
+        assert isinstance(msg, AudioChunk)
+        self.made[round(msg.start, 6)] = msg.t
+
+
+class StampedWavSink(WavSink):
+    """io=wav's sink that also stamps, in the run's trace, when it took each reply's first audio
+    (event ``sink_first_audio``): a clock of its own beside the engine's marks."""
+
+    def __init__(self, *, output_dir: str | None = None, rate: int | None = None):
+        super().__init__(output_dir=output_dir, rate=rate)
+        self._stamped: set[int] = set()
+
+    def process(self, port: str, msg: Message) -> None:
+        if isinstance(msg, AudioOut) and len(msg.pcm) and msg.turn not in self._stamped:
+            self._stamped.add(msg.turn)
+            self.ctx.record("sink_first_audio", turn=msg.turn)
+        super().process(port, msg)

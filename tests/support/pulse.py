@@ -188,6 +188,21 @@ class Recorder:
         with self._lock:
             return np.concatenate([b for _, b in self._blocks]) if self._blocks else np.zeros(0, np.float32)
 
+    def voiced_span(self, until: float = float("inf"), threshold: float = 0.01) -> float:
+        """Seconds of the recording from the start of its first block with sound to the end of its
+        last, among the blocks heard before ``until`` (a monotonic time): measured in samples
+        recorded, so how late the blocks were handed over does not count."""
+        with self._lock:
+            blocks = list(self._blocks)
+        pos, loud = 0, []
+        for t, block in blocks:
+            if t - self.latency >= until:
+                break
+            if np.sqrt(np.mean(block**2)) > threshold:
+                loud.append((pos, pos + len(block)))
+            pos += len(block)
+        return (loud[-1][1] - loud[0][0]) / self.rate if loud else 0.0
+
     def loud_times(self, threshold: float = 0.01) -> list[float]:
         """Monotonic times (end of block, minus the input latency) of the blocks with sound."""
         with self._lock:
@@ -311,6 +326,7 @@ class BargeInRun:
     llm: Any
     sink: Any
     loud: list[float]  # when the agent's voice was audible in the room (agent sink monitor)
+    room: Recorder | None = None  # the recording of the room itself
     server_idle_after_s: float | None = None  # when llama-server stopped generating after the cut
     history: list[tuple[int, Any, str]] = field(default_factory=list)  # the LLM's, once turn 2 is answered
 
@@ -373,5 +389,5 @@ def run_barge_in(overrides: list[str], base_url: str, out_dir: Path, *, sink: st
         with suppress(Stopped):
             scheduler.run()
         watcher.join(10)
-    run.loud = rec.loud_times()
+    run.loud, run.room = rec.loud_times(), rec
     return run
