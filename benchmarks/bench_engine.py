@@ -5,9 +5,7 @@ Run: python benchmarks/bench_engine.py [--messages 200000] [--rounds 5] [--capac
 The chains move the same mix of 20 ms audio chunks (320 float32 samples) and small text
 messages from a source thread through 6 pass-through threads to a sink, in one process.
 Rounds alternate between the chains, so a noisy neighbour hurts all alike; medians and
-ranges over the rounds are reported. The engine runs twice: with its C parts
-(s2s_flow/_rings.c and _trace.c, what an install builds) and with their pure-Python
-stand-ins. Measured:
+ranges over the rounds are reported. Measured:
 
 - throughput: messages/s with the source unpaced (the chain saturated);
 - per-hop latency p50/p99: end-to-end latency / 7 hops, source paced at 2 kHz;
@@ -36,7 +34,6 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._stats import percentile  # noqa: E402
-from s2s_flow import rings, trace  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
 from s2s_flow.messages import AudioChunk, Message, TextDelta  # noqa: E402
 from s2s_flow.node import Node  # noqa: E402
@@ -136,19 +133,7 @@ class Result:
         self.secs, self.latencies, self.usage, self.rss = secs, latencies, usage, rss or []
 
 
-def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0,
-              pure_python: bool = False) -> Result:
-    if pure_python:
-        in_use, native_trace = [getattr(rings, name) for name in rings.PARTS], trace.native
-        for name, part in zip(rings.PARTS, rings.IMPLEMENTATIONS["python"], strict=True):
-            setattr(rings, name, part)
-        trace.native = None
-        try:
-            return run_rings(n, pace_hz, capacity=capacity, rss_every=rss_every)
-        finally:
-            for name, part in zip(rings.PARTS, in_use, strict=True):
-                setattr(rings, name, part)
-            trace.native = native_trace
+def run_rings(n: int, pace_hz: float = 0.0, *, capacity: int = 0, rss_every: int = 0) -> Result:
     me = f"{__name__}."
     passes = [f"p{i}" for i in range(6)]
     cfg = {"chain": ["source", *passes, "sink"],
@@ -267,12 +252,8 @@ def main() -> None:
     ap.add_argument("--memory", type=int, default=1_000_000, help="messages in the RSS run (0 = skip)")
     args = ap.parse_args()
 
-    chains = {"s2s-flow rings": lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity)}
-    if rings.native is not None and trace.native is not None:
-        chains["rings, Python"] = lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity, pure_python=True)
-    else:
-        print("s2s_flow/_rings.c or _trace.c is not built: the engine runs on its pure-Python stand-ins")
-    chains["queue.Queue"] = run_queues
+    chains = {"s2s-flow rings": lambda n, hz=0.0: run_rings(n, hz, capacity=args.capacity),
+              "queue.Queue": run_queues}
     rate: dict[str, list[float]] = {c: [] for c in chains}
     p50: dict[str, list[float]] = {c: [] for c in chains}
     p99: dict[str, list[float]] = {c: [] for c in chains}

@@ -26,19 +26,8 @@ __all__ = [
 ]
 
 
-class _Memo:
-    """Room on every message for the trace to keep what its mark() said (s2s_flow/_trace.c).
-
-    A message is immutable, so mark() gives the same answer every time, and the trace asks
-    each message once per node it leaves and once per node it enters. Not a field: it is not
-    compared, copied or shown, and nothing but the trace's C code reads or writes it.
-    """
-
-    __slots__ = ("_mark",)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Message(_Memo):
+class Message:
     turn: int = 0
     t: float = field(default_factory=time.monotonic)
 
@@ -51,7 +40,7 @@ class Message(_Memo):
     def mark(self) -> str | None:
         """The milestone this message stands for (speech_end, token, audio ...), if any; read by
         the trace, which keeps the first time each milestone passes in and out of every node.
-        It depends only on the message's fields: the trace asks once per message."""
+        It depends only on the message's fields."""
         return None
 
     def mark_time(self) -> float:

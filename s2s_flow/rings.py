@@ -13,19 +13,10 @@ beside the items, not wrapped with them, so a hop allocates nothing per message.
 
 Waking a thread costs the most on a hop, so it is done once and at the right moment. A
 node that hands over a batch defers its consumers' wake-ups (``deferred``) to the moment it
-blocks itself, and :func:`block` releases them and goes to sleep without holding the GIL in
-between: the woken thread finds the GIL free instead of sleeping a second time on it. A
-stream that hands over each item as it is made (a source, an LLM yielding tokens) cannot
-wait for its next block, which may be a network read: it wakes at once with
-:func:`wake_now`, which lets go of the GIL for that moment.
-
-Two implementations, one behaviour. ``s2s_flow/_rings.c`` (built by the install) is what
-the engine uses: a hop's put, wait and wake-up in C, and the GIL hand-over, which Python
-cannot do. The classes here (:class:`PyRing`, :class:`PyInbox`, and the pure-Python
-:func:`_block`) are the reference that tests/test_rings.py and test_rings_c.py hold the C
-code to, and the stand-in where nothing is compiled, at the price of a second thread
-switch per hop and more time per message. ``Ring``, ``Inbox``, ``Waiter``, ``block`` and
-``wake_now`` name the implementation in use (:data:`IMPLEMENTATIONS`).
+blocks itself (:func:`block` releases them, then sleeps), so a batch costs its consumer one
+wake-up, not one per item. A stream that hands over each item as it is made (a source, an
+LLM yielding tokens) cannot wait for its next block, which may be a network read: it wakes
+its consumer at once with :func:`wake_now`.
 """
 
 from __future__ import annotations
@@ -38,14 +29,14 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "wake_all", "wake_now", "IMPLEMENTATIONS", "PARTS"]
+__all__ = ["POLICIES", "Ring", "RingClosed", "RingStats", "Inbox", "Waiter", "block", "wake_all", "wake_now"]
 
 POLICIES = ("block", "drop_oldest", "drop_newest")
 _now = time.monotonic
 
 
-class _Waiter:
-    """A one-shot lock a sleeping thread waits on; ``release()`` wakes it (pure Python)."""
+class Waiter:
+    """A one-shot lock a sleeping thread waits on; ``release()`` wakes it."""
 
     __slots__ = ("_lock", "_released")
 
@@ -60,12 +51,9 @@ class _Waiter:
             self._lock.release()
 
 
-def _block(waiter: _Waiter, wakes: list[Any], timeout: float) -> bool:
-    """Release the waiters in ``wakes`` (emptying it), then wait on ``waiter``; True when woken.
-
-    The pure-Python stand-in for ``s2s_flow._rings.block``, which does the same without
-    holding the GIL in between, so the threads it wakes find the GIL free.
-    """
+def block(waiter: Waiter, wakes: list[Any], timeout: float) -> bool:
+    """Release the waiters in ``wakes`` (emptying it), then wait on ``waiter`` (``timeout`` < 0:
+    for ever); True when woken."""
     for w in wakes:
         w.release()
     wakes.clear()
@@ -75,12 +63,8 @@ def _block(waiter: _Waiter, wakes: list[Any], timeout: float) -> bool:
     return woken
 
 
-def _wake_now(wakes: list[Any]) -> None:
-    """Release the waiters in ``wakes`` (emptying it) for a thread that goes on running.
-
-    The pure-Python stand-in for ``s2s_flow._rings.wake_now``, which lets go of the GIL
-    for that moment, so that a woken thread that runs at once finds it free.
-    """
+def wake_now(wakes: list[Any]) -> None:
+    """Release the waiters in ``wakes`` (emptying it) for a thread that goes on running."""
     wake_all(wakes)
 
 
@@ -102,12 +86,12 @@ class RingStats:
     blocked_s: float
 
 
-class PyInbox:
+class Inbox:
     """The consumer side shared by every ring into one node, plus its control lane."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.rings: list[PyRing] = []
+        self.rings: list[Ring] = []
         self.open = 0  # rings not closed yet
         self.control: deque[Any] = deque()
         self._waiter: Any = None  # the Waiter the sleeping consumer blocks on, else None
@@ -132,11 +116,11 @@ class PyInbox:
         The ``deferred`` wakes are done after this inbox's lock is let go, the last thing
         before blocking (see :func:`wake_all`).
         """
-        waiter = _Waiter()
+        waiter = Waiter()
         self._waiter = waiter
         self.lock.release()
         try:
-            woken = _block(waiter, _NONE if deferred is None else deferred,
+            woken = block(waiter, _NONE if deferred is None else deferred,
                            -1.0 if timeout is None else max(0.0, timeout))
         finally:
             self.lock.acquire()
@@ -151,7 +135,7 @@ class PyInbox:
             self.wake()
 
     def wait(self, timeout: float | None = None, deferred: list[Any] | None = None,
-             ) -> tuple[list[Any], list[tuple[PyRing, list[Any], list[float]]], bool]:
+             ) -> tuple[list[Any], list[tuple[Ring, list[Any], list[float]]], bool]:
         """Block until there is control or data; return (control, data, all_inputs_done).
 
         ``data`` is every item available, ring by ring: [(ring, items, put_times)], each in
@@ -192,22 +176,22 @@ class PyInbox:
 
 
 def wake_all(deferred: list[Any]) -> None:
-    """Wake the threads whose wake-up was deferred (see :meth:`PyInbox.wake`), and forget them."""
+    """Wake the threads whose wake-up was deferred (see :meth:`Inbox.wake`), and forget them."""
     for waiter in deferred:
         waiter.release()
     deferred.clear()
 
 
-class PyRing:
+class Ring:
     """A bounded FIFO from one producer port to one consumer port."""
 
-    def __init__(self, capacity: int, policy: str = "block", *, inbox: PyInbox | None = None, name: str = ""):
+    def __init__(self, capacity: int, policy: str = "block", *, inbox: Inbox | None = None, name: str = ""):
         if capacity < 1:
             raise ValueError(f"ring {name!r}: capacity must be >= 1, got {capacity}")
         if policy not in POLICIES:
             raise ValueError(f"ring {name!r}: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.name, self.capacity, self.policy = name, capacity, policy
-        self.inbox = inbox or PyInbox()
+        self.inbox = inbox or Inbox()
         self.inbox.rings.append(self)
         self.inbox.open += 1
         self._lock = self.inbox.lock
@@ -225,11 +209,11 @@ class PyRing:
         """
         t0 = time.perf_counter()
         while len(self._items) >= self.capacity and not self._closed:
-            waiter = _Waiter()
+            waiter = Waiter()
             self._room.append(waiter)
             self._lock.release()
             try:
-                _block(waiter, _NONE if deferred is None else deferred, -1.0)
+                block(waiter, _NONE if deferred is None else deferred, -1.0)
             finally:
                 self._lock.acquire()
         self.blocked_s += time.perf_counter() - t0
@@ -238,7 +222,7 @@ class PyRing:
         """Add an item; returns False when the policy dropped something (this or the oldest).
 
         With ``deferred``, the consumer's wake-up is added to that list instead of done now
-        (:meth:`PyInbox.wake`); the caller does it with :func:`wake_all` or its next block.
+        (:meth:`Inbox.wake`); the caller does it with :func:`wake_all` or its next block.
         """
         with self._lock:
             if self._closed:
@@ -368,16 +352,3 @@ class PyRing:
         with self._lock:
             return RingStats(self.name, self.capacity, self.policy, self.puts, self.drops,
                              self.high_water, round(self.blocked_s, 6))
-
-
-# The implementation in use, by name; tests and the benchmark swap all five together.
-PARTS = ("Waiter", "block", "wake_now", "Inbox", "Ring")
-IMPLEMENTATIONS: dict[str, tuple[Any, ...]] = {"python": (_Waiter, _block, _wake_now, PyInbox, PyRing)}
-try:
-    from s2s_flow import _rings as native
-except ImportError:  # not compiled (no C compiler at install): same behaviour, slower
-    native = None  # type: ignore[assignment]
-else:
-    native.setup(RingStats, RingClosed)
-    IMPLEMENTATIONS["c"] = (native.Waiter, native.block, native.wake_now, native.Inbox, native.Ring)
-Waiter, block, wake_now, Inbox, Ring = IMPLEMENTATIONS["c" if native is not None else "python"]

