@@ -134,6 +134,7 @@ def test_sessions_on_their_own_threads_synthesize_one_at_a_time_each_in_its_own_
     sessions = [make(tmp_path, voice="en-us", rate=175), make(tmp_path, voice="en-us+f3", rate=300),
                 make(tmp_path, voice="de", rate=120)]
     alone = [np.concatenate(list(s.synthesize(SECOND))) for s in sessions]  # one after another
+    assert len({round(len(a), -3) for a in alone}) == 3  # three voices, three clearly different lengths
     engine = espeak._engine()
     synth, inside, most, count = engine.synth, [0], [0], threading.Lock()
 
@@ -166,5 +167,6 @@ def test_sessions_on_their_own_threads_synthesize_one_at_a_time_each_in_its_own_
         del engine.synth
     assert most[0] == 1, "one synthesis at a time"
     assert [len(m) for m in made] == [8, 8, 8]
-    for i, pieces in enumerate(made):
-        assert all(np.array_equal(p, alone[i]) for p in pieces), f"session {i} got another session's settings"
+    for i, pieces in enumerate(made):  # espeak jitters a length by ~0.1 %; another session's rate is 40 % off
+        lengths = [len(p) for p in pieces]
+        assert all(abs(n - len(alone[i])) <= 0.01 * len(alone[i]) for n in lengths), (i, lengths, len(alone[i]))
