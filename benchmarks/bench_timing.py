@@ -14,8 +14,9 @@ are measured here and printed (p50 / max over ``--repeat`` runs):
 4. SIGINT to ``s2s-run`` while a ``setup()`` is stalled on a server that never answers: from the
    signal to the exit (``--skip-cli`` leaves it out: each run starts the CLI);
 5. the paced WAV source (io.realtime=true, 20 ms chunks) through the VAD: how late each chunk was
-   made against its schedule (the first chunk's time + 20 ms per chunk), and so how much the
-   metrics' end of speech lies past the VAD's own stream estimate (``--skip-jitter``).
+   made against its schedule (the first chunk's time + 20 ms per chunk; the first one's own
+   lateness is the origin), and so how much the metrics' end of speech lies past the VAD's own
+   stream estimate: the lateness of the chunk it was decided in (``--skip-jitter`` leaves it out).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def cpu_model() -> str:
 def ms(values: list[float]) -> str:
     if not values:
         return "-"
-    return f"p50 {1000 * percentile(values, 50):7.1f} ms, max {1000 * max(values):7.1f} ms (n={len(values)})"
+    return f"p50 {1000 * percentile(values, 50):8.2f} ms, max {1000 * max(values):8.2f} ms (n={len(values)})"
 
 
 def scheduler(run_dir: Path, chain: dict) -> Scheduler:
@@ -165,6 +166,7 @@ def paced_jitter(run_dir: Path) -> tuple[list[float], list[float]]:
 
     pcm, _ = speech_with_pauses(["What is the weather like today?", "Tell me a joke about cats.",
                                  "Thank you very much."], 16000, pause_s=1.6, lead_s=0.6, tail_s=0.3)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     wav = run_dir.parent / "scripted.wav"
     sf.write(wav, pcm, 16000, subtype="PCM_16")
     cfg, choices = compose(["chain=[io.source,vad]", f"io.input={wav}", "io.realtime=true"])
