@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -44,33 +43,10 @@ from s2s_flow.errors import NodeFailed  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
 from s2s_flow.scheduler import Scheduler  # noqa: E402
 from s2s_flow.validate import validate  # noqa: E402
+from tests.support.managed import start_signalled_graph  # noqa: E402
 
 T = "tests.support.nodes."
 CHUNK_S = 0.020
-
-SIGNAL_SCRIPT = textwrap.dedent("""
-    import sys, threading, time
-    sys.path.insert(0, sys.argv[1])
-    from omegaconf import OmegaConf
-    from s2s_flow.errors import Stopped
-    from s2s_flow.graph import build_graph
-    from s2s_flow.scheduler import Scheduler
-    from s2s_flow.validate import validate
-    T = "tests.support.nodes."
-    cfg = OmegaConf.create({"chain": ["src", "up", "out"], "src": {"_target_": T + "CountSource", "n": 10**9},
-                            "up": {"_target_": T + "Upper", "delay_s": 0.001}, "out": {"_target_": T + "Collect"}})
-    s = Scheduler(validate(build_graph(cfg)), ".")
-    def announce():
-        while not s.graph.nodes["out"].node.got:
-            time.sleep(0.001)
-        print("running", flush=True)
-    threading.Thread(target=announce, daemon=True).start()
-    try:
-        s.run()
-    except Stopped:
-        sys.exit(130)
-""")
-
 
 def cpu_model() -> str:
     try:
@@ -123,9 +99,7 @@ def stuck_node(run_dir: Path) -> float:
 
 
 def signal_to_exit(sig: signal.Signals) -> float:
-    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT, str(ROOT)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "running", proc.communicate()
+    proc = start_signalled_graph(Path(tempfile.gettempdir()))
     t0 = time.monotonic()
     proc.send_signal(sig)
     proc.communicate(timeout=30)

@@ -3,11 +3,8 @@ interrupts, sessions."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
@@ -19,7 +16,7 @@ from s2s_flow.messages import Transcript
 from s2s_flow.rings import RingClosed
 from s2s_flow.scheduler import Scheduler
 from s2s_flow.validate import validate
-from tests.support.managed import wait_until
+from tests.support.managed import start_signalled_graph, wait_until
 from tests.support.nodes import SETUP_BARRIERS
 
 T = "tests.support.nodes."
@@ -157,37 +154,9 @@ def test_interrupt_flushes_stale_turns_closes_the_stream_and_lets_the_new_turn_t
     assert [e for e in s.trace.events if e["kind"] == "interrupt"][0]["turn"] == 2
 
 
-SIGNAL_SCRIPT = textwrap.dedent("""
-    import sys, threading, time
-    sys.path.insert(0, ".")
-    from omegaconf import OmegaConf
-    from s2s_flow.graph import build_graph
-    from s2s_flow.errors import Stopped
-    from s2s_flow.scheduler import Scheduler
-    from s2s_flow.validate import validate
-    T = "tests.support.nodes."
-    cfg = OmegaConf.create({"chain": ["src", "up", "out"], "src": {"_target_": T + "CountSource", "n": 10**9},
-                            "up": {"_target_": T + "Upper", "delay_s": 0.001}, "out": {"_target_": T + "Collect"}})
-    s = Scheduler(validate(build_graph(cfg)), ".")
-    def announce():  # once messages reach the sink, run() is running and handles signals
-        while not s.graph.nodes["out"].node.got:
-            time.sleep(0.001)
-        print("running", flush=True)
-    threading.Thread(target=announce, daemon=True).start()
-    try:
-        s.run()
-    except Stopped as exc:
-        left = [t.name for t in threading.enumerate() if t.name.startswith("node:")]
-        print("stopped:", exc, f"({len(left)} node threads left)", flush=True)
-        sys.exit(130)
-""")
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_sigint_and_sigterm_stop_a_running_graph_and_every_node_thread(sig, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT], cwd=os.getcwd(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "running"
+    proc = start_signalled_graph(tmp_path)
     proc.send_signal(sig)
     try:
         out, err = proc.communicate(timeout=10)  # a hang, not a figure: bench_timing.py measures it (target: 1 s)

@@ -17,7 +17,7 @@ from nodes.stt.parakeet import ParakeetSTT
 from nodes.stt.whisper_hf import WhisperHFSTT
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import Context, keep_shared
-from tests.support.loads import count_loads, fresh_models, warm_ups
+from tests.support.loads import AtOnce, count_loads, fresh_models, warm_ups
 from tests.support.speech import synthesize
 
 RATE = 16000
@@ -138,23 +138,11 @@ def test_parakeet_sessions_share_one_load_and_take_turns(tiny_parakeet, speech, 
     params = {"model": str(tiny_parakeet), "backend": "mlx", "dtype": "float32"}
     nodes = [session(ParakeetSTT, tmp_path, said, **params) for _ in range(2)]
     assert len(loads) == 1 and warm_ups(said) == 1 and nodes[0]._asr is nodes[1]._asr
-    inside, most, count = [0], [0], threading.Lock()
-    asr = nodes[0]._asr
-
-    def watched(audio: np.ndarray) -> str:  # how many transcriptions run at once
-        with count:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        try:
-            return asr(audio)
-        finally:
-            with count:
-                inside[0] -= 1
-
+    watched = AtOnce(nodes[0]._asr)  # how many transcriptions run at once
     for node in nodes:
         node._asr = watched
     assert transcribe_at_once(nodes, speech) == expected
-    assert most[0] == 1, "one transcription at a time"
+    assert watched.most == 1, "one transcription at a time"
 
 
 @pytest.mark.parametrize(("cls", "model", "held"), [(WhisperHFSTT, "tiny_whisper", "_shared"),

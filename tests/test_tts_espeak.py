@@ -14,6 +14,7 @@ from nodes.tts.espeak import EspeakTTS  # noqa: E402
 from s2s_flow.errors import ConfigError  # noqa: E402
 from s2s_flow.messages import TextDelta  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
+from tests.support.loads import AtOnce  # noqa: E402
 from tests.support.tts_checks import (  # noqa: E402
     FIRST,
     SECOND,
@@ -136,18 +137,7 @@ def test_sessions_on_their_own_threads_synthesize_one_at_a_time_each_in_its_own_
     alone = [np.concatenate(list(s.synthesize(SECOND))) for s in sessions]  # one after another
     assert len({round(len(a), -3) for a in alone}) == 3  # three voices, three clearly different lengths
     engine = espeak._engine()
-    synth, inside, most, count = engine.synth, [0], [0], threading.Lock()
-
-    def watched(text: str) -> np.ndarray:  # how many syntheses run at once
-        with count:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        try:
-            return synth(text)
-        finally:
-            with count:
-                inside[0] -= 1
-
+    watched = AtOnce(engine.synth)  # how many syntheses run at once
     start = threading.Barrier(len(sessions), timeout=30)
     made: list[list[np.ndarray]] = [[] for _ in sessions]
 
@@ -165,7 +155,7 @@ def test_sessions_on_their_own_threads_synthesize_one_at_a_time_each_in_its_own_
             t.join(60)
     finally:
         del engine.synth
-    assert most[0] == 1, "one synthesis at a time"
+    assert watched.most == 1, "one synthesis at a time"
     assert [len(m) for m in made] == [8, 8, 8]
     for i, pieces in enumerate(made):  # espeak jitters a length by ~0.1 %; another session's rate is 40 % off
         lengths = [len(p) for p in pieces]

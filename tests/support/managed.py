@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -103,3 +104,43 @@ def question_wav(path: Path, text: str = "How many kilometers are there in a mar
     pcm, _ = speech_with_pauses([text], 16000, tail_s=tail_s)
     sf.write(path, pcm, 16000)
     return path
+
+
+#: A graph that runs until a signal stops it, in a process of its own (argv[1]: the checkout):
+#: it prints "running" once messages reach its sink, then how it was stopped and how many node
+#: threads were left, and exits 130.
+SIGNALLED_GRAPH = textwrap.dedent("""
+    import sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    from omegaconf import OmegaConf
+    from s2s_flow.errors import Stopped
+    from s2s_flow.graph import build_graph
+    from s2s_flow.scheduler import Scheduler
+    from s2s_flow.validate import validate
+    T = "tests.support.nodes."
+    cfg = OmegaConf.create({"chain": ["src", "up", "out"], "src": {"_target_": T + "CountSource", "n": 10**9},
+                            "up": {"_target_": T + "Upper", "delay_s": 0.001}, "out": {"_target_": T + "Collect"}})
+    s = Scheduler(validate(build_graph(cfg)), ".")
+    def announce():  # once messages reach the sink, run() is running and handles signals
+        while not s.graph.nodes["out"].node.got:
+            time.sleep(0.001)
+        print("running", flush=True)
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        s.run()
+    except Stopped as exc:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("node:")]
+        print("stopped:", exc, f"({len(left)} node threads left)", flush=True)
+        sys.exit(130)
+""")
+
+
+def start_signalled_graph(cwd: Path) -> subprocess.Popen:
+    """:data:`SIGNALLED_GRAPH`, started and running (its first messages reached the sink)."""
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED_GRAPH, str(REPO)], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "running":
+        proc.kill()
+        raise AssertionError(f"the graph never ran: {proc.communicate()[1][-2000:]}")
+    return proc
