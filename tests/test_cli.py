@@ -99,14 +99,15 @@ def test_the_wheel_installs_into_a_fresh_venv_and_finds_its_configs(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600)
-    # run from an unrelated directory so nothing can come from the checkout
+    # nothing may come from the checkout: no PYTHONPATH to it, and an unrelated working directory
+    alone = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600, env=alone)
     out = subprocess.run([str(env_dir / "bin" / "s2s-run"), "dry_run=true", "stt=none", "tts=espeak"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120, env=alone)
     assert out.returncode == 0, out.stderr
     assert "vad.speech -> llm.audio" in out.stdout and "tts=espeak" in out.stdout
     listed = subprocess.run([str(py), "-c", "import s2s_flow.compose as c; print(c.conf_dir())"],
-                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+                            capture_output=True, text=True, cwd=tmp_path, check=True, env=alone).stdout
     assert str(env_dir) in listed
 
 
