@@ -1,6 +1,6 @@
-"""What every LLM backend shares, remote or in-process: the options of the conversation and its
-tools (with the range checks of all LLM options), and the turn itself: which messages get a
-reply, the bounded history, the tool rounds, the reply as TextDeltas, and barge-in.
+"""The node every LLM backend builds on, remote or in-process: the options of the conversation
+and its tools (with the range checks of all LLM options), and the turn itself: which messages
+get a reply, the bounded history, the tool rounds, the reply as TextDeltas, and barge-in.
 
 A backend adds its own options (its ``__init__`` passes the rest on as ``**options``) and two
 methods: :meth:`LLMBase.respond`, one request to a server or one local generation (text pieces,
