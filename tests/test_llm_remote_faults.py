@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from nodes._remote import RemoteError, StreamBroken
+from nodes._http import RemoteError, StreamBroken
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.responses import ResponsesLLM
 from s2s_flow.messages import Transcript

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from nodes._remote import RemoteError
+from nodes._http import RemoteError
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.responses import ResponsesLLM
 from s2s_flow.messages import Speech, Transcript

@@ -12,12 +12,12 @@ import logging
 import numpy as np
 import pytest
 
-from nodes._remote import RemoteError
+from nodes._http import RemoteError
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.responses import ResponsesLLM
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
-from s2s_flow.messages import Speech
+from s2s_flow.messages import Speech, Transcript
 from tests.support.fault_server import FaultServer, Reply, chat_chunks, responses_events
 from tests.support.remote_llm import llm_node, sentences, text_of, turn
 
@@ -311,6 +311,15 @@ def test_a_turn_arriving_as_both_speech_and_transcript_gets_one_reply(srv, tmp_p
     assert text_of(turn(node, speech(turn_=4), 4)) == "Ok."
     assert turn(node, "the same turn, transcribed", 4) == []
     assert len(srv.posts) == 1
+
+
+def test_a_partial_transcript_never_confirms_a_speculative_turn(srv, tmp_path):
+    srv.script(Reply.sse(chat_chunks("Paris.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path)
+    assert text_of(turn(node, Transcript(turn=3, text="Capital of France?", speculative=True))) == "Paris."
+    assert turn(node, Transcript(turn=3, text="Capital of", final=False)) == []  # display only
+    assert turn(node, Transcript(turn=3, text="Capital of France?")) == []  # the confirmation: answered already
+    assert len(srv.posts) == 1 and len(node.conversation.exchanges) == 1
 
 
 def test_reset_starts_the_next_conversation_with_an_empty_history(srv, tmp_path):

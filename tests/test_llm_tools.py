@@ -1,31 +1,29 @@
 """Tool calling: what a tool looks like to the model, the exact requests of both APIs around a
-tool result, and every way a round can go wrong (a tool that raises, hangs, or is interrupted;
-a model that never stops calling; malformed call streams).
+tool result, and the faults of the model or the server a real one cannot be made to produce on
+cue (malformed calls, a call without a name, a model that never stops calling).
 
 The requests are pinned against the scripted loopback server (tests/support/fault_server.py),
 which records them as received; the replies imitate llama-server's tool-call streams. Real
-calls from a real server are in tests/test_llm_tools_llama_server.py.
+calls from a real server, and every fault of the tool itself (it raises, hangs, is interrupted,
+is slow enough for the filler), are in tests/test_llm_tools_llama_server.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import pytest
 
-from nodes._remote import RemoteError
+from nodes._http import RemoteError
 from nodes.llm._conversation import Conversation, ToolCall, ToolRound
 from nodes.llm._local import split_tool_calls
 from nodes.llm._tools import Toolbox, describe
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.responses import ResponsesLLM
 from s2s_flow.errors import ConfigError
-from s2s_flow.messages import Transcript
 from tests.support import tools
 from tests.support.fault_server import FaultServer, Reply, chat_chunks, responses_events
-from tests.support.managed import wait_until
 from tests.support.remote_llm import llm_node, text_of, turn
 
 SYSTEM = "You are terse."
@@ -48,11 +46,8 @@ def srv():
 
 
 @pytest.fixture(autouse=True)
-def fresh_tool_state():
+def fresh_calls():
     tools.CALLS.clear()
-    tools.RELEASE.clear()
-    yield
-    tools.RELEASE.set()  # no tool thread outlives its test blocked
 
 
 def chat_call_chunks(*calls: tuple[str, str, str], text: str = "") -> list[dict | str]:
@@ -239,26 +234,6 @@ def test_a_reply_cut_by_a_barge_in_keeps_only_what_was_heard_of_each_round():
 # -- when a round goes wrong ------------------------------------------------------------------
 
 
-def test_a_tool_that_raises_becomes_a_result_the_model_talks_about(srv, tmp_path):
-    srv.script(Reply.sse(chat_call_chunks(("c1", "broken_lookup", '{"query": "stock"}'))),
-               Reply.sse(chat_chunks("Sorry, the database is down.")))
-    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=["tests.support.tools:broken_lookup"])
-    assert text_of(turn(node, "Check the stock.")) == "Sorry, the database is down."
-    result = srv.posts[1].body["messages"][-1]
-    assert result == {"role": "tool", "tool_call_id": "c1", "content":
-                      "error: ConnectionError: the database at db.internal:5432 refused the connection"}
-
-
-def test_a_tool_that_runs_past_its_timeout_gives_an_error_result(srv, tmp_path):
-    srv.script(Reply.sse(chat_call_chunks(("c1", "slow_lookup", '{"query": "maps"}'))),
-               Reply.sse(chat_chunks("It is taking too long.")))
-    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=["tests.support.tools:slow_lookup"],
-                    tool_timeout_s=0.05)  # the tool waits for RELEASE, which this test never sets
-    assert text_of(turn(node, "Find the maps.")) == "It is taking too long."
-    assert srv.posts[1].body["messages"][-1]["content"] == (
-        "error: slow_lookup did not finish within 0.05 s; tell the user it is taking too long")
-
-
 def test_bad_calls_become_results_that_say_what_was_wrong(srv, tmp_path):
     srv.script(Reply.sse(chat_call_chunks(("c1", "get_weather", '{"city": '), ("c2", "get_time", "{}"),
                                           ("c3", "get_weather", '["Paris"]'))),
@@ -291,40 +266,6 @@ def test_a_call_without_a_function_name_is_the_servers_fault(srv, tmp_path, api)
     node = llm_node(ChatCompletionsLLM if api == "chat" else ResponsesLLM, srv.base_url, tmp_path, tools=[WEATHER])
     with pytest.raises(RemoteError, match=rf"the server at {srv.base_url} sent a tool call without a function name"):
         turn(node, "Weather?")
-
-
-def test_a_barge_in_during_a_running_tool_ends_the_turn_at_once(srv, tmp_path):
-    srv.script(Reply.sse(chat_call_chunks(("c1", "slow_lookup", '{"query": "maps"}'))),
-               Reply.sse(chat_chunks("Never asked for.")))
-    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=["tests.support.tools:slow_lookup"],
-                    tool_timeout_s=60)
-    got: list = []
-    consumer = threading.Thread(target=lambda: got.extend(node.process("text", Transcript(turn=1, text="Maps?"))))
-    consumer.start()
-    assert wait_until(lambda: tools.CALLS, 30)  # the tool is running (it blocks until RELEASE)
-    node.on_interrupt(2)  # the user speaks again
-    consumer.join(10)
-    assert not consumer.is_alive() and got[-1].end
-    assert len(srv.posts) == 1  # the round was abandoned: no request after it
-    (call,) = node.conversation.exchanges[-1].rounds[0].calls
-    assert call.result == "cancelled: the user interrupted before the tool finished"
-
-
-def test_a_filler_sentence_is_spoken_while_a_slow_tool_runs(srv, tmp_path):
-    srv.script(Reply.sse(chat_call_chunks(("c1", "slow_lookup", '{"query": "maps"}'))),
-               Reply.sse(chat_chunks("Aisle seven.")))
-    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=["tests.support.tools:slow_lookup"],
-                    tool_filler="One moment.", tool_filler_after_s=0.0)
-    gen = node.process("text", Transcript(turn=1, text="Where are the maps?"))
-    first = next(gen)
-    assert first.text == "One moment." and first.sentence_end  # to TTS while the tool still runs
-    assert len(srv.posts) == 1
-    tools.RELEASE.set()
-    rest = list(gen)
-    assert text_of([first, *rest]) == "One moment. Aisle seven."
-    assert node.conversation.exchanges[-1].reply == "One moment. Aisle seven."
-    # the filler was said after the call: it opens the answer in the history, not the call's message
-    assert srv.posts[1].body["messages"][-2]["content"] is None
 
 
 def test_tool_calls_are_recorded_for_the_metrics(srv, tmp_path):

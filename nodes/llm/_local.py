@@ -1,8 +1,8 @@
-"""The part the in-process LLMs (``llm=transformers``, ``llm=mlx``) share: options, the
-bounded history, the chat template, turn handling and interrupts. A subclass loads the
-model once per process (``load_model``, through the node contract's shared resources) and
-implements ``generate`` (prompt token ids -> text pieces); each session's node keeps its
-own history and key/value cache.
+"""The part the in-process LLMs (``llm=transformers``, ``llm=mlx``) share: sampling options,
+the chat template, tool calls written in the model's text, and the key/value cache kept between
+turns; the turn around a generation is every LLM's (``_base.py``). A subclass loads the model
+once per process (``load_model``, through the node contract's shared resources) and implements
+``generate`` (prompt token ids -> text pieces); each session's node keeps its own history and cache.
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from nodes._hub import model_path
-from nodes._playback import truncate_to_heard
-from nodes._remote import RemoteLLM, check_range
-from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
-from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
+from nodes.llm._base import LLMBase, check_range
+from nodes.llm._conversation import Conversation, Exchange, ToolCall
+from nodes.llm._tools import forces_call
 from s2s_flow.errors import ConfigError
-from s2s_flow.messages import Message, TextDelta, Transcript
-from s2s_flow.node import Node
+from s2s_flow.messages import Transcript
 
 __all__ = ["LocalLLM", "SharedModel", "split_tool_calls"]
 
@@ -43,22 +41,18 @@ class SharedModel:
     tokenizer: Any
 
 
-class LocalLLM(Node):
+class LocalLLM(LLMBase):
     """Shared body of the in-process LLMs: a subclass loads a model and tokenizer in
     :meth:`load_model` and implements :meth:`generate` (prompt token ids -> text pieces)."""
 
     inputs = {"text": Transcript}
-    outputs = {"text": TextDelta}
 
     backend: ClassVar[str]  # "llm=transformers", for messages
-    DEFAULT_SYSTEM_PROMPT: ClassVar[str] = RemoteLLM.DEFAULT_SYSTEM_PROMPT
 
     def __init__(
         self,
         *,
         model: str,
-        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        max_history_turns: int = 8,
         max_tokens: int = 256,
         temperature: float = 0.7,
         top_p: float = 0.8,
@@ -66,32 +60,23 @@ class LocalLLM(Node):
         enable_thinking: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         prompt_cache: bool = True,
-        tools: Sequence[str] | None = None,
-        tool_choice: str = "auto",
-        tool_timeout_s: float = 10.0,
-        max_tool_rounds: int = 3,
-        tool_filler: str | None = None,
-        tool_filler_after_s: float = 1.0,
+        **options: Any,
     ) -> None:
+        """``options``: the conversation and tool options of every LLM (``LLMBase``)."""
         if not model:
             raise ConfigError(f"llm.model is empty: give a hub id or a local model directory ({self.backend})")
-        check_range(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
         check_range(max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
         check_range(0 <= temperature <= 2, "temperature", temperature, "0 (greedy) to 2")
         check_range(0 < top_p <= 1, "top_p", top_p, "in (0, 1]; 1 turns it off")
+        super().__init__(**options)
         self.model = model_path(model)
         self.max_tokens, self.temperature, self.top_p, self.seed = max_tokens, float(temperature), top_p, seed
         self.enable_thinking = enable_thinking
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.conversation = Conversation(system_prompt, max_history_turns)
-        self.toolbox = Toolbox(tools, choice=tool_choice, timeout_s=tool_timeout_s, max_rounds=max_tool_rounds,
-                               filler=tool_filler, filler_after_s=tool_filler_after_s)
         self._shared: SharedModel | None = None  # the process's model: held, so it stays loaded
         self._model: Any = None
         self._tokenizer: Any = None
         self._prompt_opens_thinking = False
-        self._stale_below = -(2**62)  # turns below this were interrupted
-        self._turn: int | None = None  # the turn being generated
         self._stop: threading.Event | None = None  # set: the reply in progress stops at its next token
         #: keep the model's key/value cache between turns: a turn then only encodes what follows
         #: the longest prefix it shares with the previous prompt and reply (history, system prompt)
@@ -220,51 +205,10 @@ class LocalLLM(Node):
         next(pieces, None)
         pieces.close()
 
-    def reset(self) -> None:
-        """An empty history (a benchmark talking to one node; the engine gives every conversation
-        a node of its own)."""
-        self.conversation = Conversation(self.conversation.system_prompt, self.conversation.max_turns)
-
-    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
-        if not self.ctx.session.answers(msg.turn):
-            return  # the session starts this reply later (a server's client asks for it)
-        text = getattr(msg, "text", "")
-        if not getattr(msg, "final", True):
-            return  # partial transcripts: wait for the final one
-        speculative = getattr(msg, "speculative", False)
-        if self.conversation.settle(msg.turn, speculative):
-            return  # confirmed: its reply already went out on the speculative transcript
-        if not text.strip():
-            self.ctx.log.info("turn %d: empty transcript, no reply", msg.turn)
-            return
-        truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
-        exchange: Exchange = self.conversation.add_user(text, msg.turn, speculative=speculative)
-        if self.toolbox:
-            turn = msg.turn
-            pieces = answer_with_tools(
-                lambda choice: self._reply(turn, choice), toolbox=self.toolbox, exchange=exchange,
-                cancelled=lambda: turn < self._stale_below or self.ctx.stopping.is_set(),
-                record=self.ctx.record, log=self.ctx.log,
-            )
-        else:
-            pieces = self._reply(msg.turn)
-        yield from reply_deltas(
-            pieces, turn=msg.turn, conversation=self.conversation, exchange=exchange,
-            log=self.ctx.log, interrupted=lambda: msg.turn < self._stale_below,
-        )
-
-    def on_interrupt(self, turn: int) -> None:
-        self._stale_below = max(self._stale_below, turn)
-        stop, current = self._stop, self._turn
-        if stop is not None and current is not None and current < turn:
-            stop.set()
-        self.toolbox.wake()  # a wait for tools checks whether its turn is stale
-
-    def close(self) -> None:
+    def stop_reply(self) -> None:
         stop = self._stop
         if stop is not None:
             stop.set()
-        self.toolbox.wake()
 
     # -- the prompt cache: the backend trims and makes caches, the rest is shared ---------
 
@@ -291,13 +235,14 @@ class LocalLLM(Node):
         """An empty cache for this model, or None when it could not be cut later."""
         raise NotImplementedError
 
-    def _reply(self, turn: int, tool_choice: str = "none") -> Iterator[Any]:
+    def respond(self, exchange: Exchange, tool_choice: str) -> Iterator[str | ToolCall]:
         """One generation: text pieces, and with tools the calls it wrote (never spoken)."""
-        if turn < self._stale_below:
+        turn = exchange.turn
+        if self.stale(turn):
             return
         prompt_ids = self.chat_prompt(self.ctx.session.history(self.conversation).messages(), tool_choice)
         self._stop, self._turn = threading.Event(), turn
-        if turn < self._stale_below:  # interrupted while the prompt was being built
+        if self.stale(turn):  # interrupted while the prompt was being built
             self._stop, self._turn = None, None
             return
         start = time.monotonic()

@@ -11,8 +11,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nodes._remote import RemoteError, RemoteLLM
+from nodes._http import RemoteError
 from nodes.llm._conversation import Exchange, ToolCall
+from nodes.llm._remote import RemoteLLM
 from nodes.llm._tools import named_tool
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
@@ -49,7 +50,8 @@ class ChatCompletionsLLM(RemoteLLM):
         keep_audio_turns: int = 1,
         **options: Any,
     ) -> None:
-        """``options``: those of every remote LLM (``RemoteLLM``: base_url, model, api_key ...)."""
+        """``options``: those of every remote LLM (``RemoteLLM``: base_url, model, api_key ...) and of
+        every LLM (``LLMBase``: system_prompt, tools ...)."""
         super().__init__(**options)
         if audio_content_type not in AUDIO_CONTENT_TYPES:
             raise ConfigError(
@@ -160,6 +162,7 @@ class ChatCompletionsLLM(RemoteLLM):
 
     def explain(self, exc: RemoteError) -> RemoteError:
         """A server that cannot take the audio part: say which model or stage to use instead."""
+        exc = super().explain(exc)
         last = self.conversation.exchanges[-1] if self.conversation.exchanges else None
         if last is None or not isinstance(last.user, AudioTurn) or exc.status is None:
             return exc

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from nodes._remote import RemoteError, RemoteLLM
+from nodes._http import RemoteError
 from nodes.llm._conversation import ToolCall
+from nodes.llm._remote import RemoteLLM
 from nodes.llm._tools import named_tool
 from s2s_flow.messages import TextDelta, Transcript
 

@@ -3,9 +3,10 @@
 Generation runs on a helper thread and streams text through ``TextIteratorStreamer``, so the
 first sentence reaches TTS while the rest is still being generated. Barge-in sets a flag that
 a ``StoppingCriteria`` reads after every token; closing the reply joins the thread.
-The options, history, chat template and interrupts shared with ``llm=mlx`` live in
-``nodes/llm/_local.py``. The weights and tokenizer are loaded and warmed up once per process;
-every session generates on them from its own thread, with its own key/value cache.
+The sampling options, chat template and key/value cache shared with ``llm=mlx`` live in
+``nodes/llm/_local.py``, the turn and interrupts of every LLM in ``nodes/llm/_base.py``. The
+weights and tokenizer are loaded and warmed up once per process; every session generates on
+them from its own thread, with its own key/value cache.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Any OpenAI-compatible transcription endpoint: ``POST {base_url}/audio/transcriptions``.
 
 OpenAI itself, faster-whisper-server, speaches, vLLM, LocalAI ... The utterance is sent
-as a 16-bit mono WAV file through the shared :class:`~nodes._remote.RemoteClient` (key
+as a 16-bit mono WAV file through the shared :class:`~nodes._http.RemoteClient` (key
 rule, retries on connect errors, 429 and 5xx, errors that name the option to fix).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nodes._remote import RemoteClient, RemoteError
+from nodes._http import HttpPolicy, RemoteClient, RemoteError
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
 
@@ -44,8 +44,8 @@ class OpenAISTT(UtteranceSTT):
         self.model = model
         self.language = language
         self.client = RemoteClient(
-            group="stt", base_url=base_url, api_key=api_key, connect_timeout=connect_timeout,
-            read_timeout=read_timeout, max_retries=max_retries,
+            group="stt", base_url=base_url, api_key=api_key,
+            policy=HttpPolicy(connect_timeout, read_timeout, max_retries),
         )
 
     def setup(self) -> None:

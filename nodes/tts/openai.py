@@ -2,7 +2,7 @@
 
 OpenAI itself, or local servers that copy its API (Kokoro-FastAPI, Speaches, LocalAI,
 the faster-qwen3-tts example server). Each sentence is one request through the shared
-:class:`~nodes._remote.RemoteClient`; audio is yielded as the bytes arrive, so the first
+:class:`~nodes._http.RemoteClient`; audio is yielded as the bytes arrive, so the first
 chunk plays before the server has finished.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes._remote import Aborted, RemoteClient, RemoteError
+from nodes._http import Aborted, HttpPolicy, RemoteClient, RemoteError
 from nodes.tts._base import SentenceTTS
 from s2s_flow.audio import to_float32, to_mono
 from s2s_flow.errors import ConfigError
@@ -120,8 +120,8 @@ class OpenAITTS(SentenceTTS):
         if speed is not None and not 0.25 <= speed <= 4.0:
             raise ConfigError(f"tts.speed={speed}: OpenAI accepts 0.25 to 4.0 (null = server default).")
         self.client = RemoteClient(
-            group="tts", base_url=base_url, api_key=api_key, connect_timeout=connect_timeout,
-            read_timeout=read_timeout, max_retries=max_retries,
+            group="tts", base_url=base_url, api_key=api_key,
+            policy=HttpPolicy(connect_timeout, read_timeout, max_retries),
         )
         self.model, self.voice = model, voice
         self.response_format, self.server_rate = response_format, server_rate

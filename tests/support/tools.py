@@ -1,13 +1,21 @@
 """Tools for the tool-calling tests: plain functions named in config by import path
 (``llm.tools=[tests.support.tools:get_weather]``), each described by its hints and docstring.
 
-Deterministic: the same city always gives the same weather. ``slow_lookup`` blocks until the
-test lets it go (``RELEASE``), so a test sees a tool still running without timing anything.
+Deterministic: the same city always gives the same weather; the lookups take one of a few
+words (an enum), so a small model answering through a server's grammar writes a short call.
+``slow_lookup`` blocks until the test lets it go (``RELEASE``), so a test sees a tool still
+running without timing anything.
+With ``$S2S_TEST_TOOL_STAMPS`` set to a file, ``get_weather`` takes ``STAMPED_S`` seconds and
+appends its own start and end there (in a run's subprocess too): the tool's clock, for checking
+the metrics' tool time against.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -15,6 +23,8 @@ from typing import Literal
 WEATHER = {"paris": "sunny, 24 degrees", "rome": "cloudy, 18 degrees", "oslo": "snowing, minus 3 degrees"}
 CALLS: list[tuple[str, dict]] = []  # every call, in order: (tool, arguments)
 RELEASE = threading.Event()  # lets slow_lookup return
+STAMPS_ENV = "S2S_TEST_TOOL_STAMPS"
+STAMPED_S = 0.3
 
 #: The Qwen2.5-Instruct chat template (Apache-2.0; also in llama.cpp's models/templates): ChatML,
 #: the tools listed in the system message, calls written as <tool_call>{"name", "arguments"}</tool_call>,
@@ -31,6 +41,12 @@ def get_weather(city: str) -> str:
         city: The city's name, e.g. Paris.
     """
     CALLS.append(("get_weather", {"city": city}))
+    stamps = os.environ.get(STAMPS_ENV)
+    if stamps:
+        start = time.monotonic()
+        time.sleep(STAMPED_S)
+        with open(stamps, "a") as out:
+            out.write(json.dumps({"start": start, "end": time.monotonic()}) + "\n")
     return f"The weather in {city} is {WEATHER.get(city.strip().lower(), 'mild, 20 degrees')}."
 
 
@@ -52,17 +68,25 @@ def convert_temperature(degrees: float, to: Unit, precision: int = 0,
     return f"{value:.{precision}f} {Unit(to).value}"
 
 
-def broken_lookup(query: str) -> str:
-    """Look something up in a database that is down."""
-    CALLS.append(("broken_lookup", {"query": query}))
+def broken_lookup(item: Literal["kettle", "toaster", "mug"]) -> str:
+    """Check whether an item is in stock, in a database that is down.
+
+    Args:
+        item: The item to check.
+    """
+    CALLS.append(("broken_lookup", {"item": item}))
     raise ConnectionError("the database at db.internal:5432 refused the connection")
 
 
-def slow_lookup(query: str) -> str:
-    """Look something up in a slow archive."""
-    CALLS.append(("slow_lookup", {"query": query}))
+def slow_lookup(topic: Literal["maps", "globes", "atlases"]) -> str:
+    """Find the aisle of a topic in a slow archive.
+
+    Args:
+        topic: What to look for.
+    """
+    CALLS.append(("slow_lookup", {"topic": topic}))
     RELEASE.wait(30)
-    return f"The archive says: {query} is in aisle 7."
+    return f"The archive keeps {topic} in aisle 7."
 
 
 def no_hints(city):  # noqa: ANN001 - on purpose: a tool the model cannot be told how to call

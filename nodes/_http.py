@@ -4,8 +4,8 @@ What every remote backend (llm=chat|responses, stt=openai, tts=openai) needs and
 write twice: the API key rule (loopback servers need none; it never reaches a log or a
 message), one keep-alive connection pool opened in ``setup()``, bounded retries before the
 first byte, JSON, multipart, SSE and raw byte streams, errors that say what to type, and an
-abort that closes a live stream from another thread at once. Plus :class:`RemoteLLM`, the
-node both LLM APIs build on.
+abort that closes a live stream from another thread at once. It knows no API: what a
+backend's errors mean for its own options is the backend's to add (``RemoteLLM.explain``).
 
 httpx is imported in :meth:`RemoteClient.open`, so composing a config costs nothing.
 """
@@ -20,21 +20,17 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
-from types import MappingProxyType
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
-from nodes._playback import truncate_to_heard
-from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
-from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
 from s2s_flow.errors import ConfigError, S2SError
-from s2s_flow.messages import Message, TextDelta
-from s2s_flow.node import Node, require, shared
+from s2s_flow.node import require, shared
 
-__all__ = ["RemoteError", "RemoteRefused", "StreamBroken", "Aborted", "RemoteClient", "RemoteLLM",
-           "DEFAULT_BASE_URL"]
+__all__ = ["RemoteError", "RemoteRefused", "StreamBroken", "Aborted", "HttpPolicy", "RemoteClient",
+           "is_loopback", "is_private", "DEFAULT_BASE_URL"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -42,7 +38,6 @@ BACKOFF_BASE_S = 0.25
 BACKOFF_CAP_S = 4.0
 RETRY_AFTER_CAP_S = 30.0  # a server asking for longer is answered with an error, not a frozen agent
 SHOWN_CHARS = 300  # how much of a server's error body or a bad line an error message quotes
-EMPTY: Mapping[str, Any] = MappingProxyType({})
 WARMUP_OK = (404, 405, 503)  # a server without /models is fine; 503: still loading its model
 
 
@@ -147,6 +142,25 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+@dataclass(frozen=True, slots=True)
+class HttpPolicy:
+    """How long to wait for a server and how often to ask again: the options every remote
+    backend takes under its group (``llm.read_timeout``, ``stt.max_retries`` ...)."""
+
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0  # the longest wait for the first byte and between chunks
+    max_retries: int = 2  # on connect errors, 429 and 5xx, never once bytes came
+
+    def check(self, group: str) -> None:
+        for option, value, ok, expected in (
+            ("connect_timeout", self.connect_timeout, self.connect_timeout > 0, "seconds > 0"),
+            ("read_timeout", self.read_timeout, self.read_timeout > 0, "seconds > 0"),
+            ("max_retries", self.max_retries, 0 <= self.max_retries <= 10, "0 to 10"),
+        ):
+            if not ok:
+                raise ConfigError(f"{group}.{option}={value!r} is out of range: expected {expected}")
+
+
 class RemoteClient:
     """Keep-alive HTTP client for one server; one request at a time (one node thread).
 
@@ -160,9 +174,7 @@ class RemoteClient:
         group: str,
         base_url: str,
         api_key: str | None,
-        connect_timeout: float,
-        read_timeout: float,
-        max_retries: int,
+        policy: HttpPolicy,
         start_hint: str = "",
         log: Any = None,
     ) -> None:
@@ -177,13 +189,7 @@ class RemoteClient:
                 f"{group}.base_url must not carry credentials; put the key in {group}.api_key "
                 f"or {API_KEY_ENV}"
             )
-        for option, value, ok, expected in (
-            ("connect_timeout", connect_timeout, connect_timeout > 0, "seconds > 0"),
-            ("read_timeout", read_timeout, read_timeout > 0, "seconds > 0"),
-            ("max_retries", max_retries, 0 <= max_retries <= 10, "0 to 10"),
-        ):
-            if not ok:
-                raise ConfigError(f"{group}.{option}={value!r} is out of range: expected {expected}")
+        policy.check(group)
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
         if not key and not is_loopback(parts.hostname):
             raise ConfigError(
@@ -197,7 +203,7 @@ class RemoteClient:
         self.loopback = is_loopback(parts.hostname)
         self.private = is_private(parts.hostname)
         self._key = _Secret(key)
-        self.connect_timeout, self.read_timeout, self.max_retries = connect_timeout, read_timeout, max_retries
+        self.policy = policy
         self.start_hint = start_hint  # how to start a typical server, for the "no server" error
         self.log = log
         self._http: Any = None
@@ -228,12 +234,12 @@ class RemoteClient:
             headers=headers,
             verify=tls,
             trust_env=trust_env,
-            timeout=httpx.Timeout(self.read_timeout, connect=self.connect_timeout),
+            timeout=httpx.Timeout(self.policy.read_timeout, connect=self.policy.connect_timeout),
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=300),
         )
         if not warm_up:
             return []
-        deadline = time.monotonic() + self.read_timeout
+        deadline = time.monotonic() + self.policy.read_timeout
         while True:
             resp = self._send("GET", "/models", stream=False, api="model list", tolerate=WARMUP_OK)
             if resp.status_code != 503 or time.monotonic() > deadline:
@@ -346,8 +352,8 @@ class RemoteClient:
         headers = {"Accept-Encoding": "identity"} if stream else {}  # chunks as the server sends them
         if accept:
             headers["Accept"] = accept
-        for attempt in range(self.max_retries + 1):
-            retry = attempt < self.max_retries
+        for attempt in range(self.policy.max_retries + 1):
+            retry = attempt < self.policy.max_retries
             try:
                 request = self._http.build_request(
                     method, url, headers=headers, extensions={"trace": self._trace}, **content
@@ -425,7 +431,7 @@ class RemoteClient:
             yield from resp.iter_bytes()
         except httpx.TimeoutException:
             raise StreamBroken(
-                f"the server at {self.base_url}{path} sent nothing for {self.read_timeout:g} s "
+                f"the server at {self.base_url}{path} sent nothing for {self.policy.read_timeout:g} s "
                 f"({self.group}.read_timeout); raise it for slow servers or long prompts"
             ) from None
         except httpx.TransportError as exc:
@@ -464,13 +470,13 @@ class RemoteClient:
             return Aborted("aborted")
         if isinstance(exc, httpx.ConnectTimeout):
             return RemoteError(
-                f"no answer from {self.base_url} within {self.connect_timeout:g} s "
+                f"no answer from {self.base_url} within {self.policy.connect_timeout:g} s "
                 f"({self.group}.connect_timeout): is the host up and the port open? "
                 f"Or fix {self.group}.base_url"
             )
         if isinstance(exc, httpx.TimeoutException):
             return RemoteError(
-                f"the server at {url} did not start answering within {self.read_timeout:g} s "
+                f"the server at {url} did not start answering within {self.policy.read_timeout:g} s "
                 f"({self.group}.read_timeout); raise it for slow servers or long prompts"
             )
         if isinstance(exc, httpx.ConnectError):
@@ -506,276 +512,5 @@ class RemoteClient:
             text = f"the server at {url} failed ({said}) on {attempts} attempts; see the server's log"
         else:
             text = f"the server at {url} rejected the request ({said})"
-            if "chat_template_kwargs" in detail:
-                text += f"; this server takes no chat_template_kwargs: set {g}.chat_template_kwargs=null"
         refused = status in (401, 403, 404)
         return (RemoteRefused if refused else RemoteError)(text, status=status, detail=detail)
-
-
-class RemoteLLM(Node):
-    """Shared body of ``llm=chat`` and ``llm=responses``: options, client, turn handling, tools.
-
-    A subclass names its endpoint and fills in three pieces: the request body, how text and
-    tool calls come out of its stream events, and how they come out of a non-streamed answer.
-    """
-
-    shared_safety = ("per session: one keep-alive connection each, which a barge-in cuts by its socket; "
-                     "the weights live on the model server, shared by every session")
-
-    outputs = {"text": TextDelta}
-    secret_params = frozenset({"api_key"})
-
-    path: ClassVar[str]
-    api_name: ClassVar[str]
-    hint_404: ClassVar[str] = ""
-    DEFAULT_SYSTEM_PROMPT: ClassVar[str] = (
-        "You are a helpful voice assistant. Answer briefly in plain spoken sentences, "
-        "without lists, markdown or emojis."
-    )
-
-    def __init__(
-        self,
-        *,
-        base_url: str = DEFAULT_BASE_URL,
-        model: str | None = None,
-        api_key: str | None = None,
-        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        max_history_turns: int = 8,
-        stream: bool = True,
-        temperature: float | None = None,
-        max_tokens: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        reasoning_effort: str | None = None,
-        enable_thinking: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = EMPTY,
-        extra_body: Mapping[str, Any] | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        max_retries: int = 2,
-        tools: Sequence[str] | None = None,
-        tool_choice: str = "auto",
-        tool_timeout_s: float = 10.0,
-        max_tool_rounds: int = 3,
-        tool_filler: str | None = None,
-        tool_filler_after_s: float = 1.0,
-        tool_call_prefill: str | None = None,
-    ) -> None:
-        check_range(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
-        check_range(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
-        check_range(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
-        check_range(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
-        check_range(reasoning_effort is None or bool(reasoning_effort), "reasoning_effort", reasoning_effort,
-               "null or an effort such as low, medium, high")
-        self.model = model or None
-        self.stream = stream
-        self.temperature, self.max_tokens, self.top_p, self.seed = temperature, max_tokens, top_p, seed
-        self.reasoning_effort = reasoning_effort
-        self.enable_thinking = enable_thinking
-        self.chat_template_kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
-        if reasoning_effort is not None and "enable_thinking" in (self.chat_template_kwargs or {}):
-            raise ConfigError(
-                "llm.chat_template_kwargs.enable_thinking and llm.reasoning_effort are both set: a server "
-                "such as vLLM then ignores the effort; keep one of them"
-            )
-        self.extra_body = dict(extra_body or {})
-        self.client = RemoteClient(
-            group="llm",
-            base_url=base_url,
-            api_key=api_key,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            max_retries=max_retries,
-            start_hint="llama-server -m model.gguf --port 8080",
-        )
-        if not self.model and not self.client.loopback:
-            raise ConfigError(
-                f"llm.model is not set and llm.base_url points at {self.client.host}, a remote server: name "
-                f"the model (OpenAI answers 400 without one), e.g. llm.model=gpt-4.1-mini or one that "
-                f"{self.client.base_url}/models lists; only a server on this machine may pick its own"
-            )
-        self.toolbox = Toolbox(tools, choice=tool_choice, timeout_s=tool_timeout_s, max_rounds=max_tool_rounds,
-                               filler=tool_filler, filler_after_s=tool_filler_after_s)
-        #: opens the assistant's turn when a call is required: llama-server's required choice still
-        #: lets a model talk first (and a small one never stops); with the template's call tag
-        #: (Qwen / Hermes: "<tool_call>\n") the model can only write the call, which the server parses
-        self.tool_call_prefill = tool_call_prefill or None
-        self.conversation = Conversation(system_prompt, max_history_turns)
-        self._stale_below = -(2**62)  # turns below this were interrupted
-        self._turn: int | None = None  # the turn whose reply is streaming
-        self._answered: tuple[int, str] | None = None  # (turn, port) of the last reply
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(base_url={self.client.base_url!r}, model={self.model!r})"
-
-    # -- what a subclass provides -----------------------------------------------------
-
-    def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
-        """The JSON body for the conversation as it stands; ``tool_choice`` when tools are declared."""
-        raise NotImplementedError
-
-    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str | ToolCall]:
-        """Reply text pieces out of the SSE events, then the tool calls they carried;
-        raise RemoteError on an error event."""
-        raise NotImplementedError
-
-    def full_reply(self, answer: Any) -> list[str | ToolCall]:
-        """Reply text and tool calls out of a non-streamed answer."""
-        raise NotImplementedError
-
-    def user_content(self, port: str, msg: Message) -> Any:
-        """What a user turn stores in the history; None skips the message."""
-        text = getattr(msg, "text", "")
-        if not text.strip():
-            self.ctx.log.info("turn %d: empty transcript, no reply", msg.turn)
-            return None
-        if not getattr(msg, "final", True):
-            return None  # partial transcripts: wait for the final one
-        return text
-
-    def explain(self, exc: RemoteError) -> RemoteError:
-        """A chance to add backend knowledge to an error before it stops the graph."""
-        return exc
-
-    def log_reply(self, *, usage: Any, reasoning: int, stop: Any, spoke: bool) -> None:
-        """One line per reply; a warning when the answer was cut or never came."""
-        log = self.ctx.log
-        log.debug("reply done: stop=%s usage=%s reasoning_deltas=%d", stop, usage, reasoning)
-        if stop in ("length", "max_output_tokens"):
-            log.warning("the reply hit the token limit (llm.max_tokens=%s) and was cut", self.max_tokens)
-        if reasoning and not spoke:
-            log.warning(
-                "the model spent the reply on reasoning (%d deltas) and said nothing: set "
-                "llm.enable_thinking=false or llm.reasoning_effort=low, or raise llm.max_tokens",
-                reasoning,
-            )
-
-    # -- shared -----------------------------------------------------------------------
-
-    def generation_options(self) -> dict[str, Any]:
-        """Options both APIs spell alike; ``extra_body`` is merged over the body last."""
-        body: dict[str, Any] = {"model": self.model} if self.model else {}
-        for key in ("temperature", "top_p", "seed"):
-            if getattr(self, key) is not None:
-                body[key] = getattr(self, key)
-        kwargs = self.template_kwargs()
-        if kwargs:
-            body["chat_template_kwargs"] = kwargs
-        return body
-
-    def prefill(self, tool_choice: str) -> str | None:
-        """The text the assistant's turn starts with in this request (``tool_call_prefill``), if any."""
-        return self.tool_call_prefill if self.toolbox and forces_call(tool_choice) else None
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """``chat_template_kwargs``: the thinking switch only for servers of one's own (llama.cpp
-        and vLLM read it; api.openai.com rejects the field) and never next to an explicit
-        ``reasoning_effort`` (vLLM would then ignore the effort); the configured mapping as is."""
-        if self.chat_template_kwargs is None:
-            return {}
-        if self.reasoning_effort is None and self.client.private:
-            return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
-        return dict(self.chat_template_kwargs)
-
-    def setup(self) -> None:
-        self.client.log = self.ctx.log
-        self.ctx.progress(f"connecting to {self.client.base_url}")
-        try:
-            models = self.client.open()
-        except RemoteError as exc:
-            raise self.explain(exc) from None
-        if self.model and models and self.model not in models:
-            self.ctx.log.warning(
-                "llm.model=%r is not among the models %s lists (%s); the request may fail",
-                self.model, self.client.base_url, ", ".join(models[:5]),
-            )
-
-    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
-        if not self.ctx.session.answers(msg.turn):
-            return  # the session starts this reply later (a server's client asks for it)
-        last = self._answered
-        if last is not None and last[0] == msg.turn and last[1] != port:
-            self.ctx.log.debug("turn %d was answered from %r already; %r ignored", msg.turn, last[1], port)
-            return  # both text and audio wired: one reply per turn
-        speculative = getattr(msg, "speculative", False)
-        if self.conversation.settle(msg.turn, speculative):
-            return  # confirmed: its reply already went out on the speculative transcript
-        user = self.user_content(port, msg)
-        if user is None:
-            return
-        self._answered = (msg.turn, port)
-        truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
-        exchange: Exchange = self.conversation.add_user(user, msg.turn, speculative=speculative)
-        yield from reply_deltas(
-            self._reply(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
-            log=self.ctx.log, interrupted=lambda: msg.turn < self._stale_below,
-        )
-
-    def reset(self) -> None:
-        """An empty history, the connection kept (a benchmark talking to one node; the engine
-        gives every conversation a node of its own)."""
-        self.conversation = Conversation(self.conversation.system_prompt, self.conversation.max_turns)
-        self._answered = None
-
-    def on_interrupt(self, turn: int) -> None:
-        self._stale_below = max(self._stale_below, turn)
-        current = self._turn
-        if current is not None and current < turn:
-            self.client.abort()
-        self.toolbox.wake()  # a wait for tools checks whether its turn is stale
-
-    def close(self) -> None:
-        self.client.close()
-        self.toolbox.wake()
-
-    def _reply(self, exchange: Exchange) -> Iterator[str]:
-        """The reply's text; with tools, the rounds of calls it takes to get there."""
-        turn = exchange.turn
-        if not self.toolbox:
-            yield from (p for p in self._request(turn, "none", False) if isinstance(p, str))
-            return
-        yield from answer_with_tools(
-            lambda choice: self._request(turn, choice, bool(exchange.rounds)), toolbox=self.toolbox,
-            exchange=exchange, cancelled=lambda: turn < self._stale_below or self.ctx.stopping.is_set(),
-            record=self.ctx.record, log=self.ctx.log,
-        )
-
-    def _request(self, turn: int, tool_choice: str, after_tools: bool) -> Iterator[str | ToolCall]:
-        """One request: text as it streams, then the tool calls asked for. Before the first
-        token of a turn a failure raises; after it (or after a tool round), the reply ends
-        where it broke (logged): an answer is never replayed from the start."""
-        if turn < self._stale_below:
-            return
-        body = self.request_body(tool_choice)
-        produced = after_tools
-        self.client.begin()
-        self._turn = turn
-        try:
-            if turn < self._stale_below:  # interrupted while the request was being built
-                return
-            if not self.stream:
-                yield from self.full_reply(
-                    self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
-                )
-                return
-            stream = self.client.post_stream(self.path, body, api=self.api_name, hint_404=self.hint_404)
-            with stream as events:
-                for text in self.stream_texts(events):
-                    if turn < self._stale_below:
-                        return
-                    produced = True
-                    yield text
-        except RemoteError as exc:
-            if turn < self._stale_below or isinstance(exc, Aborted):
-                return  # barge-in closed the stream on purpose
-            if produced:
-                self.ctx.log.error("turn %d: reply cut short, keeping the text so far: %s", turn, exc)
-                return
-            raise self.explain(exc) from None
-        finally:
-            self._turn = None
-
-
-def check_range(ok: bool, option: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"llm.{option}={value!r} is out of range: expected {expected}")

@@ -1,0 +1,219 @@
+"""The node both remote LLM APIs build on (``llm=chat``, ``llm=responses``): the options of a
+model server and of what each request carries, the HTTP client (``nodes/_http.py``), and one
+request per tool round, streamed or not; the turn around it is every LLM's (``_base.py``).
+
+A subclass names its endpoint and fills in three pieces: the request body, how text and tool
+calls come out of its stream events, and how they come out of a non-streamed answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from nodes._http import DEFAULT_BASE_URL, Aborted, HttpPolicy, RemoteClient, RemoteError, RemoteRefused
+from nodes.llm._base import LLMBase, check_range
+from nodes.llm._conversation import Exchange, ToolCall
+from nodes.llm._tools import forces_call
+from s2s_flow.errors import ConfigError
+
+__all__ = ["RemoteLLM"]
+
+EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class RemoteLLM(LLMBase):
+    """Shared body of ``llm=chat`` and ``llm=responses``: server and request options, the client."""
+
+    shared_safety = ("per session: one keep-alive connection each, which a barge-in cuts by its socket; "
+                     "the weights live on the model server, shared by every session")
+
+    secret_params = frozenset({"api_key"})
+
+    path: ClassVar[str]
+    api_name: ClassVar[str]
+    hint_404: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        base_url: str = DEFAULT_BASE_URL,
+        model: str | None = None,
+        api_key: str | None = None,
+        stream: bool = True,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        reasoning_effort: str | None = None,
+        enable_thinking: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = EMPTY,
+        extra_body: Mapping[str, Any] | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_retries: int = 2,
+        tool_call_prefill: str | None = None,
+        **options: Any,
+    ) -> None:
+        """``options``: the conversation and tool options of every LLM (``LLMBase``)."""
+        check_range(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
+        check_range(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
+        check_range(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
+        check_range(reasoning_effort is None or bool(reasoning_effort), "reasoning_effort", reasoning_effort,
+                    "null or an effort such as low, medium, high")
+        super().__init__(**options)
+        self.model = model or None
+        self.stream = stream
+        self.temperature, self.max_tokens, self.top_p, self.seed = temperature, max_tokens, top_p, seed
+        self.reasoning_effort = reasoning_effort
+        self.enable_thinking = enable_thinking
+        self.chat_template_kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+        if reasoning_effort is not None and "enable_thinking" in (self.chat_template_kwargs or {}):
+            raise ConfigError(
+                "llm.chat_template_kwargs.enable_thinking and llm.reasoning_effort are both set: a server "
+                "such as vLLM then ignores the effort; keep one of them"
+            )
+        self.extra_body = dict(extra_body or {})
+        self.client = RemoteClient(
+            group="llm",
+            base_url=base_url,
+            api_key=api_key,
+            policy=HttpPolicy(connect_timeout, read_timeout, max_retries),
+            start_hint="llama-server -m model.gguf --port 8080",
+        )
+        if not self.model and not self.client.loopback:
+            raise ConfigError(
+                f"llm.model is not set and llm.base_url points at {self.client.host}, a remote server: name "
+                f"the model (OpenAI answers 400 without one), e.g. llm.model=gpt-4.1-mini or one that "
+                f"{self.client.base_url}/models lists; only a server on this machine may pick its own"
+            )
+        #: opens the assistant's turn when a call is required: llama-server's required choice still
+        #: lets a model talk first (and a small one never stops); with the template's call tag
+        #: (Qwen / Hermes: "<tool_call>\n") the model can only write the call, which the server parses
+        self.tool_call_prefill = tool_call_prefill or None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self.client.base_url!r}, model={self.model!r})"
+
+    # -- what a subclass provides -----------------------------------------------------
+
+    def request_body(self, tool_choice: str = "auto") -> dict[str, Any]:
+        """The JSON body for the conversation as it stands; ``tool_choice`` when tools are declared."""
+        raise NotImplementedError
+
+    def stream_texts(self, events: Iterator[tuple[str, Any]]) -> Iterator[str | ToolCall]:
+        """Reply text pieces out of the SSE events, then the tool calls they carried;
+        raise RemoteError on an error event."""
+        raise NotImplementedError
+
+    def full_reply(self, answer: Any) -> list[str | ToolCall]:
+        """Reply text and tool calls out of a non-streamed answer."""
+        raise NotImplementedError
+
+    def explain(self, exc: RemoteError) -> RemoteError:
+        """Backend knowledge added to an error before it stops the graph: a strict server that
+        refuses ``chat_template_kwargs`` (a field only servers of one's own read) names the fix."""
+        rejected = exc.status is not None and exc.status < 500 and exc.status != 429
+        if rejected and not isinstance(exc, RemoteRefused) and "chat_template_kwargs" in exc.detail:
+            return type(exc)(f"{exc}; this server takes no chat_template_kwargs: set llm.chat_template_kwargs=null",
+                             status=exc.status, detail=exc.detail)
+        return exc
+
+    def log_reply(self, *, usage: Any, reasoning: int, stop: Any, spoke: bool) -> None:
+        """One line per reply; a warning when the answer was cut or never came."""
+        log = self.ctx.log
+        log.debug("reply done: stop=%s usage=%s reasoning_deltas=%d", stop, usage, reasoning)
+        if stop in ("length", "max_output_tokens"):
+            log.warning("the reply hit the token limit (llm.max_tokens=%s) and was cut", self.max_tokens)
+        if reasoning and not spoke:
+            log.warning(
+                "the model spent the reply on reasoning (%d deltas) and said nothing: set "
+                "llm.enable_thinking=false or llm.reasoning_effort=low, or raise llm.max_tokens",
+                reasoning,
+            )
+
+    # -- what both APIs send alike -----------------------------------------------------
+
+    def generation_options(self) -> dict[str, Any]:
+        """Options both APIs spell alike; ``extra_body`` is merged over the body last."""
+        body: dict[str, Any] = {"model": self.model} if self.model else {}
+        for key in ("temperature", "top_p", "seed"):
+            if getattr(self, key) is not None:
+                body[key] = getattr(self, key)
+        kwargs = self.template_kwargs()
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        return body
+
+    def prefill(self, tool_choice: str) -> str | None:
+        """The text the assistant's turn starts with in this request (``tool_call_prefill``), if any."""
+        return self.tool_call_prefill if self.toolbox and forces_call(tool_choice) else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs``: the thinking switch only for servers of one's own (llama.cpp
+        and vLLM read it; api.openai.com rejects the field) and never next to an explicit
+        ``reasoning_effort`` (vLLM would then ignore the effort); the configured mapping as is."""
+        if self.chat_template_kwargs is None:
+            return {}
+        if self.reasoning_effort is None and self.client.private:
+            return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+        return dict(self.chat_template_kwargs)
+
+    # -- the node --------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self.client.log = self.ctx.log
+        self.ctx.progress(f"connecting to {self.client.base_url}")
+        try:
+            models = self.client.open()
+        except RemoteError as exc:
+            raise self.explain(exc) from None
+        if self.model and models and self.model not in models:
+            self.ctx.log.warning(
+                "llm.model=%r is not among the models %s lists (%s); the request may fail",
+                self.model, self.client.base_url, ", ".join(models[:5]),
+            )
+
+    def stop_reply(self) -> None:
+        self.client.abort()
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
+
+    def respond(self, exchange: Exchange, tool_choice: str) -> Iterator[str | ToolCall]:
+        """One request: text as it streams, then the tool calls asked for. Before the first
+        token of a turn a failure raises; after it (or after a tool round), the reply ends
+        where it broke (logged): an answer is never replayed from the start."""
+        turn = exchange.turn
+        if self.stale(turn):
+            return
+        body = self.request_body(tool_choice)
+        produced = bool(exchange.rounds)
+        self.client.begin()
+        self._turn = turn
+        try:
+            if self.stale(turn):  # interrupted while the request was being built
+                return
+            if not self.stream:
+                yield from self.full_reply(
+                    self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
+                )
+                return
+            stream = self.client.post_stream(self.path, body, api=self.api_name, hint_404=self.hint_404)
+            with stream as events:
+                for text in self.stream_texts(events):
+                    if self.stale(turn):
+                        return
+                    produced = True
+                    yield text
+        except RemoteError as exc:
+            if self.stale(turn) or isinstance(exc, Aborted):
+                return  # barge-in closed the stream on purpose
+            if produced:
+                self.ctx.log.error("turn %d: reply cut short, keeping the text so far: %s", turn, exc)
+                return
+            raise self.explain(exc) from None
+        finally:
+            self._turn = None
