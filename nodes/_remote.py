@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from nodes._playback import truncate_to_heard
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
+from nodes.llm._session import SessionLLM
 from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
 from s2s_flow.errors import ConfigError, S2SError
 from s2s_flow.messages import Message, TextDelta
@@ -512,7 +513,7 @@ class RemoteClient:
         return (RemoteRefused if refused else RemoteError)(text, status=status, detail=detail)
 
 
-class RemoteLLM(Node):
+class RemoteLLM(Node, SessionLLM):
     """Shared body of ``llm=chat`` and ``llm=responses``: options, client, turn handling, tools.
 
     A subclass names its endpoint and fills in three pieces: the request body, how text and

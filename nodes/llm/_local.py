@@ -19,6 +19,7 @@ from nodes._hub import model_path
 from nodes._playback import truncate_to_heard
 from nodes._remote import RemoteLLM, check_range
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
+from nodes.llm._session import SessionLLM
 from nodes.llm._tools import Toolbox, answer_with_tools, forces_call
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, TextDelta, Transcript
@@ -43,7 +44,7 @@ class SharedModel:
     tokenizer: Any
 
 
-class LocalLLM(Node):
+class LocalLLM(Node, SessionLLM):
     """Shared body of the in-process LLMs: a subclass loads a model and tokenizer in
     :meth:`load_model` and implements :meth:`generate` (prompt token ids -> text pieces)."""
 
