@@ -266,7 +266,11 @@ def test_barge_in_cancels_the_reply_and_truncate_cuts_what_the_llm_sees(llama, t
             rest = await _collect(conn)  # the answer to the second question
             return events, rest, reply.heard(100), reply.heard()
 
-    with recording_proxy(llama) as proxy, serving(proxy.url, tmp_path, "llm.max_tokens=200") as (url, server):
+    # Speculation off: with vad.speculate_ms the LLM keeps a reply's exchange once it reads the
+    # turn's confirmation, which a barge-in during the reply's stream drops as stale (the whole
+    # exchange is then forgotten at the next turn): a matter of the speculation, not the truncate.
+    with recording_proxy(llama) as proxy, \
+            serving(proxy.url, tmp_path, "llm.max_tokens=200", "vad.speculate_ms=0") as (url, server):
         events, rest, first_piece, all_sent = asyncio.run(asyncio.wait_for(talk(url, server), 300))
     cut = next(e for e in events if e.type == "response.done")
     assert cut.response.status == "cancelled" and cut.response.status_details.reason == "turn_detected"

@@ -116,6 +116,31 @@ def test_a_reply_cut_by_the_users_speech_closes_its_parts_before_response_done(t
     assert _lifecycle(wire, resp.id)[-1] == "response.done", "nothing of it after its response.done"
 
 
+def test_a_reply_ends_when_both_its_words_and_its_audio_are_in_and_fails_if_its_llm_broke_off(tmp_path):
+    """The sink's ports are read in no fixed order: the TTS's end of audio may come before the LLM's
+    last words (or its error), which still belong to the response."""
+    sink, session, wire = _sink(tmp_path)
+    sink.process("started", SpeechStarted(turn=1, start=0.2))
+    sink.process("speech", _speech(1))
+    sink.process("user", Transcript(turn=1, text="Hello?"))
+    sink.process("audio", AudioOut(turn=1, pcm=np.full(2400, 0.1, np.float32), rate=24000, text="Hi there."))
+    sink.process("audio", AudioOut(turn=1, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    assert not wire.of("response.done"), "its words are not all in"
+    sink.process("agent", TextDelta(turn=1, text="Hi there.", end=True))
+    (done,) = wire.of("response.done")
+    assert done["response"]["status"] == "completed"
+    assert wire.of("response.output_audio_transcript.done")[0]["transcript"] == "Hi there."
+
+    sink.process("started", SpeechStarted(turn=2, start=5.0))
+    sink.process("speech", _speech(2))
+    sink.process("user", Transcript(turn=2, text="And then?"))
+    sink.process("audio", AudioOut(turn=2, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    sink.process("agent", TextDelta(turn=2, text="", end=True, error="the stream broke off"))
+    failed = wire.of("response.done")[-1]["response"]
+    assert failed["status"] == "failed" and failed["status_details"]["error"]["message"] == "the stream broke off"
+    assert [e["response"]["status"] for e in wire.of("response.done")] == ["completed", "failed"]
+
+
 def test_a_cancelled_text_reply_closes_its_text_part_and_one_never_begun_opens_none(tmp_path):
     config = SessionConfig()
     config.update({"output_modalities": ["text"]})

@@ -285,6 +285,9 @@ class RealtimeSink(Node):
     # -- the assistant's side -----------------------------------------------------------
 
     def _text(self, session: Session, msg: TextDelta) -> None:
+        if msg.error is not None:  # the LLM broke off: its response fails, whatever else gets through
+            session.fail_turn(msg.turn, self.ctx.epoch, msg.error)
+            return
         resp = session.output(msg.turn, self.ctx.epoch)
         if resp is not None:
             session.reply_text(resp, msg.text, last=msg.end, audio_follows="audio" in self.ctx.inputs_connected)

@@ -24,7 +24,8 @@ class Response:
     item_id: str = field(default_factory=lambda: new_id("item"))
     started: bool = False  # its output item and content part are open (added, not done yet)
     text: str = ""
-    text_done: bool = False
+    text_done: bool = False  # the words are all in (the LLM's end of reply)
+    audio_done: bool = False  # the audio is all in (the TTS's end of reply)
     audio_ms: float = 0.0
     sentences: list[tuple[float, str]] = field(default_factory=list)  # (start ms in the audio, sentence)
     done: bool = False

@@ -262,7 +262,8 @@ class RealtimeServer:
 
 
 class _Connection:
-    """One WebSocket: its session, its graph on its threads, and the client's events."""
+    """One WebSocket: its session's graph on its threads, the frames in to the client-event handlers,
+    the session's events out through a bounded queue."""
 
     def __init__(self, server: RealtimeServer, ws: Any, send: Any) -> None:
         self.server, self.ws, self._send = server, ws, send

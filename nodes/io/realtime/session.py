@@ -333,7 +333,7 @@ class Session(SessionHooks):
 
     def reply_text(self, resp: Response, text: str, *, last: bool, audio_follows: bool) -> None:
         """The reply's words: the transcript of its audio, or its text; ``last`` ends them (and the
-        response, unless its audio is still to come)."""
+        response, unless its audio is still to come: ``audio_follows``, the graph's TTS speaks it)."""
         with self.lock:
             if resp.done:
                 return
@@ -344,11 +344,12 @@ class Session(SessionHooks):
                 self.send(delta(ids, text))
             if last:
                 resp.text_done = True
-                if not (resp.audio and audio_follows):
+                if resp.audio_done or not (resp.audio and audio_follows):
                     self._end(resp, "completed")
 
     def reply_audio(self, resp: Response, pcm: np.ndarray, sentence: str | None, *, last: bool) -> None:
-        """The reply's audio at the session's output rate (``sentence``: the text it speaks)."""
+        """The reply's audio at the session's output rate (``sentence``: the text it speaks); ``last``
+        ends it (a text-only response's too: the TTS passes its end on)."""
         with self.lock:
             if resp.done:
                 return
@@ -362,8 +363,10 @@ class Session(SessionHooks):
                     resp.first_audio = True
                     if resp.speech_end_t is not None and self.observe is not None:
                         self.observe("voice_to_voice_s", time.monotonic() - resp.speech_end_t)
-            if last and (resp.audio or resp.text_done):
-                self._end(resp, "completed")
+            if last:
+                resp.audio_done = True
+                if resp.text_done:  # the words may come after the audio (another port): both end it
+                    self._end(resp, "completed")
 
     def cut_below(self, turn: int) -> None:
         """An interrupt: every reply before ``turn`` ends cancelled (no more audio), and the history
@@ -400,6 +403,12 @@ class Session(SessionHooks):
     def fail(self, resp: Response, code: str, message: str, kind: str = "invalid_request_error") -> None:
         """A response that cannot be made: ``response.done`` failed, with the reason."""
         self._end(resp, "failed", {"type": "failed", "error": {"type": kind, "code": code, "message": message}})
+
+    def fail_turn(self, turn: int, epoch: int, message: str) -> None:
+        """The reply to ``turn`` broke off (its LLM failed): its response ends failed, with the reason."""
+        with self.lock:
+            if turn >= epoch:
+                self.fail(self.response(turn), "server_error", message, kind="server_error")
 
     def fail_unfinished(self, message: str) -> None:
         """The session's graph failed: every response still being made ends failed, with the reason
