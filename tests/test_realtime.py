@@ -254,12 +254,13 @@ def test_barge_in_cancels_the_reply_and_truncate_cuts_what_the_llm_sees(llama, t
             sent_ms = sum(len(base64.b64decode(e.delta)) for e in events
                           if e.type == "response.output_audio.delta") * 1000 // (2 * RATE)
             for event_id, target, end_ms in (("evt_nope", "item_nope", 0), ("evt_past", item_id, sent_ms + 1000),
-                                             ("evt_neg", item_id, -1)):
+                                             ("evt_neg", item_id, -1), ("evt_cut", item_id, 100)):
                 await conn.conversation.item.truncate(item_id=target, content_index=0, audio_end_ms=end_ms,
                                                       event_id=event_id)
-                events += await _collect(conn, until_type="error")
-            await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=100)
-            events += await _collect(conn, until_type="conversation.item.truncated")
+                async for event in conn:  # the answer: an error, or the item truncated
+                    events.append(event)
+                    if event.type in ("error", "conversation.item.truncated"):
+                        break
             while [e.type for e in events].count("conversation.item.input_audio_transcription.completed") < 2:
                 events.append(await conn.recv())
             await conn.response.create()
@@ -282,6 +283,7 @@ def test_barge_in_cancels_the_reply_and_truncate_cuts_what_the_llm_sees(llama, t
     assert [e.type for e in events].count("input_audio_buffer.speech_started") == 2
 
     errors = {e.error.event_id: e.error for e in events if e.type == "error"}
+    assert set(errors) == {"evt_nope", "evt_past", "evt_neg"}, "refused, and only those"
     assert errors["evt_nope"].code == "item_not_found" and errors["evt_nope"].param == "item_id"
     assert (errors["evt_past"].code, errors["evt_past"].param) == ("invalid_value", "audio_end_ms")
     assert "past the" in errors["evt_past"].message

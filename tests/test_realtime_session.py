@@ -326,3 +326,28 @@ def test_a_sessions_voice_goes_to_its_own_tts_node_when_the_backend_can_switch(t
     with pytest.raises(ProtocolError, match="'no-such-voice' is not one"):
         session.nodes.use_voice("no-such-voice")
     assert nodes[1].voice == "de"
+
+
+def test_the_realtime_package_imports_one_way():
+    """Each module's imports (module level and inside functions) point one way: the transport
+    imports the handlers, the handlers the session, the session the protocol; none back."""
+    import ast
+    from pathlib import Path
+
+    import nodes.io.realtime as package
+
+    here = Path(package.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in here.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nodes.io.realtime"):
+                found |= {node.module.removeprefix("nodes.io.realtime").lstrip(".") or a.name for a in node.names}
+        imports[path.stem] = found - {path.stem}
+
+    def reaches(start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(m == goal or (m not in seen and reaches(m, goal, seen | {m})) for m in imports.get(start, ()))
+
+    assert not [m for m in imports if reaches(m, m)], imports
+    assert imports["nodes"] >= {"server"}, "the source builds its server (lazily: nothing imports nodes.py back)"
+    assert not reaches("server", "nodes") and not reaches("session", "client_events")
