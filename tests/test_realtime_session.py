@@ -53,12 +53,17 @@ def _speech(turn: int, *, speculative: bool = False) -> Speech:
                   speculative=speculative)
 
 
+def _user_turn(sink: RealtimeSink, turn: int, text: str, start: float = 0.2) -> None:
+    """A spoken user turn as the graph reports it to the sink: its start, its speech, its transcript."""
+    sink.process("started", SpeechStarted(turn=turn, start=start))
+    sink.process("speech", _speech(turn))
+    sink.process("user", Transcript(turn=turn, text=text))
+
+
 def test_a_turn_that_goes_on_after_a_withdrawn_speculation_stays_one_user_item(tmp_path):
     sink, session, wire = _sink(tmp_path)
     # turn 1: asked and answered (its reply is under way)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    _user_turn(sink, 1, "Tell me a story.")
     sink.process("agent", TextDelta(turn=1, text="Once upon a time"))
     # turn 2 barges in; the VAD speculates at a pause, then the user goes on (turn 3 continues 2)
     sink.process("started", SpeechStarted(turn=2, start=3.0))
@@ -88,9 +93,7 @@ def _lifecycle(wire: _Wire, response_id: str) -> list[str]:
 
 def test_a_reply_cut_by_the_users_speech_closes_its_parts_before_response_done(tmp_path):
     sink, session, wire = _sink(tmp_path)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    _user_turn(sink, 1, "Tell me a story.")
     sink.process("agent", TextDelta(turn=1, text="Once upon a time. ", sentence_end=True))
     tone = np.full(2400, 0.1, np.float32)  # 100 ms at the session's output rate
     sink.process("audio", AudioOut(turn=1, pcm=tone, rate=24000, text="Once upon a time."))
@@ -120,9 +123,7 @@ def test_a_reply_ends_when_both_its_words_and_its_audio_are_in_and_fails_if_its_
     """The sink's ports are read in no fixed order: the TTS's end of audio may come before the LLM's
     last words (or its error), which still belong to the response."""
     sink, session, wire = _sink(tmp_path)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Hello?"))
+    _user_turn(sink, 1, "Hello?")
     sink.process("audio", AudioOut(turn=1, pcm=np.full(2400, 0.1, np.float32), rate=24000, text="Hi there."))
     sink.process("audio", AudioOut(turn=1, pcm=np.zeros(0, np.float32), rate=24000, end=True))
     assert not wire.of("response.done"), "its words are not all in"
@@ -131,9 +132,7 @@ def test_a_reply_ends_when_both_its_words_and_its_audio_are_in_and_fails_if_its_
     assert done["response"]["status"] == "completed"
     assert wire.of("response.output_audio_transcript.done")[0]["transcript"] == "Hi there."
 
-    sink.process("started", SpeechStarted(turn=2, start=5.0))
-    sink.process("speech", _speech(2))
-    sink.process("user", Transcript(turn=2, text="And then?"))
+    _user_turn(sink, 2, "And then?", start=5.0)
     sink.process("audio", AudioOut(turn=2, pcm=np.zeros(0, np.float32), rate=24000, end=True))
     sink.process("agent", TextDelta(turn=2, text="", end=True, error="the stream broke off"))
     failed = wire.of("response.done")[-1]["response"]
@@ -145,9 +144,7 @@ def test_a_cancelled_text_reply_closes_its_text_part_and_one_never_begun_opens_n
     config = SessionConfig()
     config.update({"output_modalities": ["text"]})
     sink, session, wire = _sink(tmp_path, config)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    _user_turn(sink, 1, "Tell me a story.")
     sink.process("agent", TextDelta(turn=1, text="Once upon"))
     session.cancel_begun()
     sink.ctx.interrupt(2, "response.cancel")  # what the source does with response.cancel
@@ -171,9 +168,7 @@ def test_a_reply_that_ends_in_client_tool_calls_closes_what_it_said_first(tmp_pa
     from nodes.io.realtime.client_tools import ClientCall
 
     sink, session, wire = _sink(tmp_path)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="What is the weather in Paris?"))
+    _user_turn(sink, 1, "What is the weather in Paris?")
     sink.process("agent", TextDelta(turn=1, text="Let me check. "))
     session.end_with_calls(1, [ClientCall("call_1", "get_weather", '{"city": "Paris"}', 1)])
     resp = session.responses[1]
@@ -191,9 +186,7 @@ def test_a_continuation_whose_start_was_flushed_by_the_withdrawal_announces_the_
     """The VAD's SpeechStarted(2) can still be on its way when the withdrawal's interrupt (turn 3)
     flushes it as stale: the continuation is then the first the sink hears of the user speaking."""
     sink, session, wire = _sink(tmp_path)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    _user_turn(sink, 1, "Tell me a story.")
     sink.process("agent", TextDelta(turn=1, text="Once upon a time"))
     sink.process("started", SpeechStarted(turn=3, start=3.0, continues=2))  # turn 2's start never came
     started = wire.of("input_audio_buffer.speech_started")
