@@ -285,7 +285,7 @@ def main() -> None:
     if not args.skip_wav:
         print("io=wav ...", file=sys.stderr)
         report["wav"] = wav_side(args.repeat, args.overrides, args.out, entries)
-    from nodes.io._realtime_app import RealtimeServer
+    from nodes.io.realtime.server import RealtimeServer
 
     cfg, choices = compose(["recipe=local_cpu", "io=realtime", "io.port=0", *args.overrides])
     graph = plan(cfg, choices)

@@ -134,11 +134,13 @@ class Transcript(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TextDelta(Message):
-    """Streamed reply text. ``sentence_end`` closes a sentence TTS can speak; ``end`` closes the reply."""
+    """Streamed reply text. ``sentence_end`` closes a sentence TTS can speak; ``end`` closes the reply,
+    and ``error`` with it says that the reply broke off, and why (its node fails next)."""
 
     text: str
     sentence_end: bool = False
     end: bool = False
+    error: str | None = None
 
     ring: ClassVar[tuple[int, str]] = (256, "block")
 

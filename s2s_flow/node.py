@@ -42,14 +42,15 @@ import importlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
 
-__all__ = ["Node", "Context", "SessionHooks", "Serving", "joined_ports", "require", "shared", "keep_shared"]
+__all__ = ["Node", "Context", "SessionHooks", "Serving", "joined_ports", "require", "shared", "keep_shared",
+           "SettingRefused", "TurnSettings", "Voiced", "Instructed", "SessionTools"]
 
 
 class SessionHooks:
@@ -75,6 +76,84 @@ class SessionHooks:
     def history(self, conversation: Any) -> Any:
         """What the LLM sends of ``conversation`` in its next request: itself, or a view of it."""
         return conversation
+
+
+# -- what a session may change in its own nodes ----------------------------------------------
+# A server's session (io=realtime) changes settings of its own graph's nodes mid-conversation:
+# the client's turn detection, voice, instructions and tools. It finds the nodes by these declared
+# interfaces (``isinstance(node, TurnSettings)``), never by their attributes, and changes them only
+# through these methods. A node that implements none is simply left as configured.
+
+
+class SettingRefused(ValueError):
+    """A session setting a node cannot take; ``setting`` names it (e.g. ``silence_duration_ms``)
+    and the message says what it takes instead."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+@runtime_checkable
+class TurnSettings(Protocol):
+    """A VAD whose end-of-turn settings a session may change, in the Realtime API's names:
+    ``threshold`` (speech probability), ``silence_duration_ms``, ``prefix_padding_ms``."""
+
+    def turn_settings(self) -> dict[str, Any]:
+        """The three settings as the node has them now."""
+        ...
+
+    def fit_turn_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The settings the node would use for ``settings`` (lowered where it must); SettingRefused
+        for one it cannot take."""
+        ...
+
+    def apply_turn_settings(self, settings: dict[str, Any]) -> None:
+        """Use fitted settings from now on (called from the node's upstream thread)."""
+        ...
+
+
+@runtime_checkable
+class Voiced(Protocol):
+    """A TTS that names its voice and may switch to another within the session."""
+
+    @property
+    def voice_name(self) -> str:
+        """The voice it speaks with, by name."""
+        ...
+
+    def use_voice(self, name: str) -> bool:
+        """Speak with ``name`` from the next sentence on; False (voice unchanged) if it cannot."""
+        ...
+
+
+@runtime_checkable
+class Instructed(Protocol):
+    """An LLM whose system prompt a session may replace (the client's instructions)."""
+
+    def instructions(self) -> str | None:
+        """The system prompt in use (None: none)."""
+        ...
+
+    def set_instructions(self, text: str | None) -> None:
+        """The system prompt of every request from now on (None or empty: none)."""
+        ...
+
+
+@runtime_checkable
+class SessionTools(Protocol):
+    """An LLM that calls a session's own tools beside its configured ones (a client's functions)."""
+
+    def set_session_tools(self, tools: Sequence[Mapping[str, Any]], call: Callable[[str, dict[str, Any]], str],
+                          choice: str | None) -> None:
+        """The session's tools (``name``, ``description``, ``parameters`` each; they replace the last
+        ones), run by ``call(name, arguments)``, and the tool choice (None: unchanged); SettingRefused
+        ("tool_choice") for a choice naming no tool."""
+        ...
+
+    def round_calls(self) -> list[tuple[str, Any]]:
+        """(name, arguments) of each call of the tool round being answered now."""
+        ...
 
 
 class Context:

@@ -25,6 +25,7 @@ import pytest
 from s2s_flow.cli import describe, plan
 from s2s_flow.compose import compose
 from s2s_flow.errors import ConfigError
+from tests.support.recording_proxy import recording_proxy
 from tests.support.servers import running_llama_server
 from tests.support.speech import synthesize
 
@@ -35,7 +36,7 @@ pytest.importorskip("openai", reason="pip install 's2s-flow[bench]'")
 for _module in ("faster_whisper", "piper", "onnxruntime"):
     pytest.importorskip(_module, reason="the offline stack: pip install 's2s-flow[offline]'")
 
-from nodes.io._realtime_app import RealtimeServer  # noqa: E402
+from nodes.io.realtime.server import RealtimeServer  # noqa: E402
 
 RATE = 24000  # the protocol's default PCM rate
 STORY = "Tell me a long story about a dragon who learns to cook."
@@ -219,37 +220,85 @@ def test_sessions_leave_the_garbage_collector_as_the_server_settled_it(served):
     assert gc.get_freeze_count() == frozen
 
 
-def test_barge_in_cancels_the_reply_and_truncate_cuts_it(llama, tmp_path):
-    # A long reply (up to 200 tokens: seconds of generation and synthesis), cut as soon as it starts:
-    # the user's new speech is confirmed by the VAD within a few hundred milliseconds.
-    async def talk(url):
+def _spoken_sentences(server: RealtimeServer, session_id: str, response_id: str) -> int:
+    """How many sentences of a reply the server has sent audio of (0 before its response exists)."""
+    session = server.sessions.get(session_id)
+    resp = next((r for r in session.by_item.values() if r.id == response_id), None) if session else None
+    return len(resp.sentences) if resp is not None else 0
+
+
+def test_barge_in_cancels_the_reply_and_truncate_cuts_what_the_llm_sees(llama, tmp_path):
+    """The user speaks over a reply once its second sentence is playing: the reply is cancelled, its
+    open parts are closed, and a truncate to 100 ms leaves only the first spoken piece (a sentence,
+    or its first clause) in the history the next request carries, as llama-server received it.
+    The next turn waits for response.create (create_response=false): that request comes after
+    the truncate."""
+    async def talk(url, server):
         async with sdk(url) as conn:
+            created = await conn.recv()
             for chunk in appends(spoken(STORY)):
                 await conn.input_audio_buffer.append(audio=chunk)
-            first = await _collect(conn, until_type="response.created")
+            events = await _collect(conn, until_type="response.created")
+            first = events[-1].response.id
+            while _spoken_sentences(server, created.session.id, first) < 2:
+                events.append(await conn.recv())
+                assert events[-1].type != "response.done", "the reply ended before its second sentence was spoken"
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "create_response": False}}}})
             for chunk in appends(spoken("Stop, what is the capital of France?")):
                 await conn.input_audio_buffer.append(audio=chunk)
-            events = first + await _collect(conn)  # the cut reply's response.done
+            events += await _collect(conn)  # the cut reply's response.done
             cut = events[-1]
-            if cut.response.output:
-                sent = sum(len(base64.b64decode(e.delta)) for e in events if e.type == "response.output_audio.delta")
-                await conn.conversation.item.truncate(item_id=cut.response.output[0].id, content_index=0,
-                                                      audio_end_ms=min(100, sent * 1000 // (2 * RATE)))
-                events += await _collect(conn, until_type="conversation.item.truncated")
+            item_id = cut.response.output[0].id
+            reply = server.sessions[created.session.id].by_item[item_id]
+            sent_ms = sum(len(base64.b64decode(e.delta)) for e in events
+                          if e.type == "response.output_audio.delta") * 1000 // (2 * RATE)
+            for event_id, target, end_ms in (("evt_nope", "item_nope", 0), ("evt_past", item_id, sent_ms + 1000),
+                                             ("evt_neg", item_id, -1), ("evt_cut", item_id, 100)):
+                await conn.conversation.item.truncate(item_id=target, content_index=0, audio_end_ms=end_ms,
+                                                      event_id=event_id)
+                async for event in conn:  # the answer: an error, or the item truncated
+                    events.append(event)
+                    if event.type in ("error", "conversation.item.truncated"):
+                        break
+            while [e.type for e in events].count("conversation.item.input_audio_transcription.completed") < 2:
+                events.append(await conn.recv())
+            await conn.response.create()
             rest = await _collect(conn)  # the answer to the second question
-            return events, rest
+            return events, rest, reply.heard(100), reply.heard()
 
-    with serving(llama, tmp_path, "llm.max_tokens=200") as (url, _):
-        events, rest = asyncio.run(talk(url))
+    # Speculation off: with vad.speculate_ms the LLM keeps a reply's exchange once it reads the
+    # turn's confirmation, which a barge-in during the reply's stream drops as stale (the whole
+    # exchange is then forgotten at the next turn): a matter of the speculation, not the truncate.
+    with recording_proxy(llama) as proxy, \
+            serving(proxy.url, tmp_path, "llm.max_tokens=200", "vad.speculate_ms=0") as (url, server):
+        events, rest, first_piece, all_sent = asyncio.run(asyncio.wait_for(talk(url, server), 300))
     cut = next(e for e in events if e.type == "response.done")
     assert cut.response.status == "cancelled" and cut.response.status_details.reason == "turn_detected"
+    mine = [e.type for e in events if getattr(e, "response_id", None) == cut.response.id]
+    assert mine[-4:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                         "response.content_part.done", "response.output_item.done"], "its open parts, closed"
     after = events[events.index(cut) + 1:] + rest
-    assert not [e for e in after if e.type == "response.output_audio.delta" and e.response_id == cut.response.id]
+    assert not [e for e in after if getattr(e, "response_id", None) == cut.response.id]
     assert [e.type for e in events].count("input_audio_buffer.speech_started") == 2
+
+    errors = {e.error.event_id: e.error for e in events if e.type == "error"}
+    assert set(errors) == {"evt_nope", "evt_past", "evt_neg"}, "refused, and only those"
+    assert errors["evt_nope"].code == "item_not_found" and errors["evt_nope"].param == "item_id"
+    assert (errors["evt_past"].code, errors["evt_past"].param) == ("invalid_value", "audio_end_ms")
+    assert "past the" in errors["evt_past"].message
+    assert (errors["evt_neg"].code, errors["evt_neg"].param) == ("invalid_value", "audio_end_ms")
+    truncated = next(e for e in events if e.type == "conversation.item.truncated")
+    assert (truncated.item_id, truncated.audio_end_ms) == (cut.response.output[0].id, 100)
+
     assert rest[-1].response.status == "completed"
-    transcripts = [e.transcript for e in events + rest
-                   if e.type == "conversation.item.input_audio_transcription.completed"]
+    transcripts = [e.transcript for e in events if e.type == "conversation.item.input_audio_transcription.completed"]
     assert "france" in transcripts[-1].lower()
+    request = next(body for body in reversed(proxy.bodies("/chat/completions"))
+                   if "france" in json.dumps(body["messages"][-1]).lower())
+    said = [m["content"] for m in request["messages"] if m["role"] == "assistant"]
+    assert said == [first_piece], "the history keeps what the client played: the reply's first spoken piece"
+    assert first_piece and len(first_piece) < len(all_sent), "more than that was sent before the cut"
 
 
 def test_response_cancel_ends_the_response_as_cancelled_by_the_client(served):
@@ -382,6 +431,15 @@ QUESTIONS = {  # each with a word Whisper tiny.en never misses
 }
 
 
+def _metrics(url: str) -> dict[str, float]:
+    """The server's /metrics, as Prometheus text read back: sample name -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url.replace("ws://", "http://").removesuffix("/v1") + "/metrics").read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
+
+
 def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_model(served):
     from faster_whisper import WhisperModel
     from piper import PiperVoice
@@ -398,6 +456,8 @@ def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_mode
     async def all_at_once():
         return await asyncio.gather(*(one(text) for text in QUESTIONS.values()))
 
+    until(lambda: server.open == 0, what="earlier sessions to end")
+    before = _metrics(url)  # the served server's figures so far (other tests' sessions)
     results = asyncio.run(all_at_once())
     for word, (events, audio) in zip(QUESTIONS, results, strict=True):
         heard = [e.transcript.lower() for e in events
@@ -421,8 +481,14 @@ def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_mode
             assert len(copies) == 1, (cls.__name__, len(copies))
     finally:
         gc.freeze()
-    metrics = urllib.request.urlopen(url.replace("ws://", "http://").removesuffix("/v1") + "/metrics").read()
-    assert b"s2s_sessions_open" in metrics and b"s2s_voice_to_voice_seconds_count" in metrics
+    until(lambda: server.open == 0, what="the four sessions to end")
+    after = _metrics(url)
+    assert after["s2s_sessions_open"] == 0
+    assert after["s2s_sessions_total"] - before["s2s_sessions_total"] == 4
+    assert after["s2s_turns_total"] - before["s2s_turns_total"] == 4, "four replies completed"
+    v2v = after["s2s_voice_to_voice_seconds_count"] - before["s2s_voice_to_voice_seconds_count"]
+    assert v2v == 4, "one voice-to-voice sample per spoken turn"
+    assert after["s2s_voice_to_voice_seconds_sum"] > before["s2s_voice_to_voice_seconds_sum"]
 
 
 # -- client tools ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""io=realtime without a server: a session's sink, its conversation view, its turn settings and
-the client audio's resampler, driven with messages built by hand (what the graph would send)."""
+"""io=realtime without a server: a session's sink and its responses' lifecycles, its conversation
+view, its turn settings and voice, driven with messages built by hand (what the graph would send)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from nodes.io._realtime_events import ProtocolError, SessionConfig
-from nodes.io.realtime import (
-    LowLatencyResampler,
-    RealtimeSink,
-    Response,
-    Session,
-    apply_vad_settings,
-    fit_vad_settings,
-    vad_turn_settings,
-)
+from nodes.io.realtime import RealtimeSink
+from nodes.io.realtime.protocol import ProtocolError, SessionConfig
+from nodes.io.realtime.response import Response
+from nodes.io.realtime.session import Session
 from nodes.llm._conversation import Conversation
-from s2s_flow.messages import Speech, SpeechStarted, TextDelta, Transcript
+from s2s_flow.messages import AudioOut, Speech, SpeechStarted, TextDelta, Transcript
 from s2s_flow.node import Context
 
 
@@ -41,7 +35,6 @@ def _sink(tmp_path, config: SessionConfig | None = None) -> tuple[RealtimeSink, 
     wire = _Wire()
     session = Session(wire.emit, config or SessionConfig())
     sink = RealtimeSink()
-    sink.session = session
     epoch = [0]
 
     def interrupt(turn: int, reason: str) -> None:
@@ -49,7 +42,7 @@ def _sink(tmp_path, config: SessionConfig | None = None) -> tuple[RealtimeSink, 
         epoch[0] = max(epoch[0], turn)
         sink.on_interrupt(turn)
 
-    sink.ctx = Context("sink", tmp_path, epoch=lambda: epoch[0], interrupt=interrupt)
+    sink.ctx = Context("sink", tmp_path, epoch=lambda: epoch[0], interrupt=interrupt, session=session)
     sink.ctx.inputs_connected = frozenset(RealtimeSink.inputs)
     sink.setup()
     return sink, session, wire
@@ -60,12 +53,17 @@ def _speech(turn: int, *, speculative: bool = False) -> Speech:
                   speculative=speculative)
 
 
+def _user_turn(sink: RealtimeSink, turn: int, text: str, start: float = 0.2) -> None:
+    """A spoken user turn as the graph reports it to the sink: its start, its speech, its transcript."""
+    sink.process("started", SpeechStarted(turn=turn, start=start))
+    sink.process("speech", _speech(turn))
+    sink.process("user", Transcript(turn=turn, text=text))
+
+
 def test_a_turn_that_goes_on_after_a_withdrawn_speculation_stays_one_user_item(tmp_path):
     sink, session, wire = _sink(tmp_path)
     # turn 1: asked and answered (its reply is under way)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    _user_turn(sink, 1, "Tell me a story.")
     sink.process("agent", TextDelta(turn=1, text="Once upon a time"))
     # turn 2 barges in; the VAD speculates at a pause, then the user goes on (turn 3 continues 2)
     sink.process("started", SpeechStarted(turn=2, start=3.0))
@@ -88,13 +86,107 @@ def test_a_turn_that_goes_on_after_a_withdrawn_speculation_stays_one_user_item(t
     assert session.answering == 3
 
 
+def _lifecycle(wire: _Wire, response_id: str) -> list[str]:
+    """The events of one response, from response.created to response.done."""
+    return [e["type"] for e in wire.events if response_id in (e.get("response_id"), e.get("response", {}).get("id"))]
+
+
+def test_a_reply_cut_by_the_users_speech_closes_its_parts_before_response_done(tmp_path):
+    sink, session, wire = _sink(tmp_path)
+    _user_turn(sink, 1, "Tell me a story.")
+    sink.process("agent", TextDelta(turn=1, text="Once upon a time. ", sentence_end=True))
+    tone = np.full(2400, 0.1, np.float32)  # 100 ms at the session's output rate
+    sink.process("audio", AudioOut(turn=1, pcm=tone, rate=24000, text="Once upon a time."))
+    sink.process("agent", TextDelta(turn=1, text="There was a dragon."))  # said, not yet spoken
+    sink.process("started", SpeechStarted(turn=2, start=3.0))  # the user barges in
+
+    resp = session.responses[1]
+    assert _lifecycle(wire, resp.id) == [
+        "response.created", "response.output_item.added", "response.content_part.added",
+        "response.output_audio_transcript.delta", "response.output_audio.delta",
+        "response.output_audio_transcript.delta",
+        "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+        "response.output_item.done", "response.done"]
+    transcript = wire.of("response.output_audio_transcript.done")[0]["transcript"]
+    assert transcript == "Once upon a time. There was a dragon.", "the transcript as sent"
+    item = wire.of("response.output_item.done")[0]["item"]
+    assert item["status"] == "incomplete" and wire.of("conversation.item.done")[-1]["item"] == item
+    done = wire.of("response.done")[0]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
+    assert done["output"] == [item]
+    assert session.playback.heard(1) == "Once upon a time.", "the history keeps what was spoken"
+    sink.process("audio", AudioOut(turn=1, pcm=tone, rate=24000, text="There was a dragon."))
+    assert _lifecycle(wire, resp.id)[-1] == "response.done", "nothing of it after its response.done"
+
+
+def test_a_reply_ends_when_both_its_words_and_its_audio_are_in_and_fails_if_its_llm_broke_off(tmp_path):
+    """The sink's ports are read in no fixed order: the TTS's end of audio may come before the LLM's
+    last words (or its error), which still belong to the response."""
+    sink, session, wire = _sink(tmp_path)
+    _user_turn(sink, 1, "Hello?")
+    sink.process("audio", AudioOut(turn=1, pcm=np.full(2400, 0.1, np.float32), rate=24000, text="Hi there."))
+    sink.process("audio", AudioOut(turn=1, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    assert not wire.of("response.done"), "its words are not all in"
+    sink.process("agent", TextDelta(turn=1, text="Hi there.", end=True))
+    (done,) = wire.of("response.done")
+    assert done["response"]["status"] == "completed"
+    assert wire.of("response.output_audio_transcript.done")[0]["transcript"] == "Hi there."
+
+    _user_turn(sink, 2, "And then?", start=5.0)
+    sink.process("audio", AudioOut(turn=2, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    sink.process("agent", TextDelta(turn=2, text="", end=True, error="the stream broke off"))
+    failed = wire.of("response.done")[-1]["response"]
+    assert failed["status"] == "failed" and failed["status_details"]["error"]["message"] == "the stream broke off"
+    assert [e["response"]["status"] for e in wire.of("response.done")] == ["completed", "failed"]
+
+
+def test_a_cancelled_text_reply_closes_its_text_part_and_one_never_begun_opens_none(tmp_path):
+    config = SessionConfig()
+    config.update({"output_modalities": ["text"]})
+    sink, session, wire = _sink(tmp_path, config)
+    _user_turn(sink, 1, "Tell me a story.")
+    sink.process("agent", TextDelta(turn=1, text="Once upon"))
+    session.cancel_begun()
+    sink.ctx.interrupt(2, "response.cancel")  # what the source does with response.cancel
+    resp = session.responses[1]
+    assert _lifecycle(wire, resp.id) == [
+        "response.created", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.done"]
+    assert wire.of("response.output_text.done")[0]["text"] == "Once upon"
+    assert wire.of("response.done")[0]["response"]["status_details"]["reason"] == "client_cancelled"
+
+    waiting = Response("resp_waiting", modalities=["text"])
+    session.hold(5, session.user_item(5))  # a spoken turn held for response.create, its transcript on its way
+    session.ask(waiting)
+    assert not waiting.dispatched
+    session.cancel_asked()
+    assert _lifecycle(wire, "resp_waiting") == ["response.created", "response.done"], "no part was opened"
+
+
+def test_a_reply_that_ends_in_client_tool_calls_closes_what_it_said_first(tmp_path):
+    from nodes.io.realtime.client_tools import ClientCall
+
+    sink, session, wire = _sink(tmp_path)
+    _user_turn(sink, 1, "What is the weather in Paris?")
+    sink.process("agent", TextDelta(turn=1, text="Let me check. "))
+    session.end_with_calls(1, [ClientCall("call_1", "get_weather", '{"city": "Paris"}', 1)])
+    resp = session.responses[1]
+    assert _lifecycle(wire, resp.id) == [
+        "response.created", "response.output_item.added", "response.content_part.added",
+        "response.output_audio_transcript.delta", "response.output_audio.done",
+        "response.output_audio_transcript.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.done"]
+    done = wire.of("response.done")[0]["response"]
+    assert done["status"] == "completed" and [o["type"] for o in done["output"]] == ["message", "function_call"]
+
+
 def test_a_continuation_whose_start_was_flushed_by_the_withdrawal_announces_the_speech(tmp_path):
     """The VAD's SpeechStarted(2) can still be on its way when the withdrawal's interrupt (turn 3)
     flushes it as stale: the continuation is then the first the sink hears of the user speaking."""
     sink, session, wire = _sink(tmp_path)
-    sink.process("started", SpeechStarted(turn=1, start=0.2))
-    sink.process("speech", _speech(1))
-    sink.process("user", Transcript(turn=1, text="Tell me a story."))
+    _user_turn(sink, 1, "Tell me a story.")
     sink.process("agent", TextDelta(turn=1, text="Once upon a time"))
     sink.process("started", SpeechStarted(turn=3, start=3.0, continues=2))  # turn 2's start never came
     started = wire.of("input_audio_buffer.speech_started")
@@ -156,17 +248,12 @@ def test_the_conversation_view_leaves_out_deleted_items_and_uses_a_responses_ins
     assert unknown.value.code == "item_not_found"
 
 
-def test_turn_detection_reaches_the_sessions_vad_and_what_it_cannot_take_is_refused(tmp_path):
+def test_turn_detection_is_checked_whole_and_fitted_to_the_sessions_vad(tmp_path):
     from nodes.vad.silero import SileroVAD
 
-    vad = SileroVAD()
-    assert vad_turn_settings(vad) == {"threshold": 0.5, "silence_duration_ms": 500, "prefix_padding_ms": 30}
     config = SessionConfig()
     config.update({"audio": {"input": {"turn_detection": {"threshold": 0.7, "silence_duration_ms": 800,
                                                           "prefix_padding_ms": 300}}}})
-    apply_vad_settings(vad, config.turn_detection)
-    assert (vad.threshold, vad._min_silence, vad._pad) == (0.7, 16000 * 800 // 1000, 16000 * 300 // 1000)
-    assert vad._neg_threshold == pytest.approx(0.55)
     with pytest.raises(ProtocolError, match="threshold"):
         config.update({"audio": {"input": {"turn_detection": {"threshold": 1.5}}}})
     assert config.turn_detection["threshold"] == 0.7, "all or nothing"
@@ -174,38 +261,21 @@ def test_turn_detection_reaches_the_sessions_vad_and_what_it_cannot_take_is_refu
     assert config.manual and not config.auto_response
     config.update({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
     assert config.turn_detection["silence_duration_ms"] == 800, "back to the last server_vad settings"
-    speculating = SileroVAD(speculate_ms=200)
-    start = vad_turn_settings(speculating) | {"type": "server_vad"}
-    with pytest.raises(ProtocolError, match="speculate_ms"):
-        fit_vad_settings(speculating, start, {**start, "silence_duration_ms": 150})
-    fitted = fit_vad_settings(speculating, start, {**start, "prefix_padding_ms": 300})  # OpenAI's default
+
+    _, session, _ = _sink(tmp_path)
+    start = {"type": "server_vad", "threshold": 0.5, "silence_duration_ms": 500, "prefix_padding_ms": 30}
+    with pytest.raises(ProtocolError, match=r"vad \(none\) takes no turn settings") as none:
+        session.nodes.fit_turns(start, {**start, "threshold": 0.6})
+    assert none.value.code == "unsupported_value"
+    assert session.nodes.fit_turns(start, {**start, "create_response": False})["create_response"] is False, \
+        "what is not the VAD's needs no VAD"
+    session.nodes.vad = SileroVAD(speculate_ms=200)  # what bind() finds in a graph with vad.speculate_ms=200
+    with pytest.raises(ProtocolError, match="speculate_ms") as refused:
+        session.nodes.fit_turns(start, {**start, "silence_duration_ms": 150})
+    assert (refused.value.code, refused.value.param) == (
+        "invalid_value", "session.audio.input.turn_detection.silence_duration_ms")
+    fitted = session.nodes.fit_turns(start, {**start, "prefix_padding_ms": 300})  # OpenAI's default
     assert fitted["prefix_padding_ms"] == 200, "a stock client's settings are taken, as far as the VAD can"
-    with pytest.raises(ProtocolError, match="takes no turn settings"):
-        fit_vad_settings(None, {"threshold": 0.5}, {"threshold": 0.6, "silence_duration_ms": 500,
-                                                    "prefix_padding_ms": 30})
-
-
-@pytest.mark.parametrize("rate_in", [24000, 48000, 44100, 8000])
-def test_client_audio_reaches_the_pipeline_rate_at_once_and_band_limited(rate_in):
-    """soxr's stream mode hands its output back in bursts 20-40 ms late: each turn's end would
-    wait for that. The session's resampler returns every 20 ms append's samples at once."""
-    step, out = rate_in // 50, 16000 // 50
-    resample = LowLatencyResampler(rate_in, 16000)
-    impulse = np.zeros(rate_in, np.float32)
-    impulse[rate_in // 2] = 1.0
-    pieces = [resample(impulse[i : i + step]) for i in range(0, rate_in, step)]
-    assert {len(p) for p in pieces} == {out}, "every append comes out whole, none held back"
-    delay_ms = (np.argmax(np.abs(np.concatenate(pieces))) / 16000 - 0.5) * 1000
-    assert 0 <= delay_ms <= 3.5
-    t = np.arange(rate_in) / rate_in
-    for freq, lowest, highest in ((1000, 0.97, 1.03), (5000, 0.97, 1.03), (9500, 0.0, 0.001)):
-        if freq >= rate_in / 2:
-            continue
-        tone = np.sin(2 * np.pi * freq * t).astype(np.float32)
-        resample = LowLatencyResampler(rate_in, 16000)
-        y = np.concatenate([resample(tone[i : i + step]) for i in range(0, rate_in, step)])[4000:]
-        level = np.sqrt(2 * np.mean(y**2))
-        assert lowest <= level <= highest, (freq, level)  # 9.5 kHz cannot fold back into the speech band
 
 
 def test_the_live_transcriber_is_in_a_sessions_graph_only_when_it_is_on():
@@ -240,12 +310,37 @@ def test_a_sessions_voice_goes_to_its_own_tts_node_when_the_backend_can_switch(t
         node.setup()
         nodes.append(node)
     _, session, _ = _sink(tmp_path)
-    session.tts = nodes[1]
-    assert session.use_voice("de") == "de" and nodes[1].voice == "de"
+    session.nodes.tts = nodes[1]
+    assert session.nodes.use_voice("de") == "de" and nodes[1].voice == "de"
     spoken.clear()
     assert len(reply(nodes[1])) and len(reply(nodes[0]))
     assert spoken == ["de", "en-us"], "the session's node speaks with its voice, another session's with its own"
-    assert session.use_voice("alloy") == "de", "an OpenAI voice name keeps the session's voice"
+    assert session.nodes.use_voice("alloy") == "de", "an OpenAI voice name keeps the session's voice"
     with pytest.raises(ProtocolError, match="'no-such-voice' is not one"):
-        session.use_voice("no-such-voice")
+        session.nodes.use_voice("no-such-voice")
     assert nodes[1].voice == "de"
+
+
+def test_the_realtime_package_imports_one_way():
+    """Each module's imports (module level and inside functions) point one way: the transport
+    imports the handlers, the handlers the session, the session the protocol; none back."""
+    import ast
+    from pathlib import Path
+
+    import nodes.io.realtime as package
+
+    here = Path(package.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in here.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nodes.io.realtime"):
+                found |= {node.module.removeprefix("nodes.io.realtime").lstrip(".") or a.name for a in node.names}
+        imports[path.stem] = found - {path.stem}
+
+    def reaches(start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(m == goal or (m not in seen and reaches(m, goal, seen | {m})) for m in imports.get(start, ()))
+
+    assert not [m for m in imports if reaches(m, m)], imports
+    assert imports["nodes"] >= {"server"}, "the source builds its server (lazily: nothing imports nodes.py back)"
+    assert not reaches("server", "nodes") and not reaches("session", "client_events")

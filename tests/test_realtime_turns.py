@@ -3,7 +3,9 @@ the VAD's settings from turn_detection), editing the conversation (conversation.
 per-response instructions and modalities), and a client that stops reading.
 
 Real clients (the openai SDK, raw WebSockets) against the real offline stack, as in
-tests/test_realtime.py, whose helpers and llama-server fixture this module shares.
+tests/test_realtime.py, whose helpers and llama-server fixture this module shares. The module's
+server reaches llama-server through a recording proxy: what the conversation edits do is checked
+in the requests llama-server really received.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.recording_proxy import RecordingProxy, recording_proxy
 from tests.test_realtime import (
     STORY,
     _collect,
@@ -36,8 +39,14 @@ MARATHON = "How many kilometers are there in a marathon?"
 
 
 @pytest.fixture(scope="module")
-def served(llama, tmp_path_factory) -> Iterator[tuple[str, Any]]:  # noqa: F811
-    server = _server(llama, tmp_path_factory.mktemp("turns"))
+def proxy(llama) -> Iterator[RecordingProxy]:  # noqa: F811
+    with recording_proxy(llama) as recording:
+        yield recording
+
+
+@pytest.fixture(scope="module")
+def served(proxy, tmp_path_factory) -> Iterator[tuple[str, Any]]:
+    server = _server(proxy.url, tmp_path_factory.mktemp("turns"))
     url = server.start()
     yield url, server
     server.stop()
@@ -178,14 +187,22 @@ def test_prefix_padding_starts_the_turns_audio_before_the_speech(llama, tmp_path
 # -- what a response is made of ---------------------------------------------------------------
 
 
-def _texts(messages: list[dict[str, Any]]) -> str:
-    return json.dumps(messages)
+def _requests(proxy: RecordingProxy, since: int, last_user: str) -> list[list[dict[str, Any]]]:
+    """The messages of each chat request llama-server received since ``since`` whose newest user
+    message says ``last_user``."""
+    bodies = proxy.bodies("/chat/completions", since)
+    return [b["messages"] for b in bodies if [m for m in b["messages"] if m["role"] == "user"][-1:]
+            and [m for m in b["messages"] if m["role"] == "user"][-1]["content"].endswith(last_user)]
 
 
-def test_per_response_instructions_and_modalities_apply_to_that_response_only(served, monkeypatch):
+def _said(messages: list[dict[str, Any]], role: str) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == role]
+
+
+def test_per_response_instructions_and_modalities_apply_to_that_response_only(served, proxy, monkeypatch):
     from nodes.tts.piper import PiperTTS
 
-    url, server = served
+    url, _ = served
     special = "You are a pirate. Answer every question in the voice of a pirate."
 
     spoken: dict[str, list[str]] = {"first": [], "second": []}
@@ -193,71 +210,78 @@ def test_per_response_instructions_and_modalities_apply_to_that_response_only(se
     synthesize = PiperTTS.synthesize  # what the session's own Piper node is asked to speak
     monkeypatch.setattr(PiperTTS, "synthesize",
                         lambda tts, sentence: (spoken[now[0]].append(sentence), synthesize(tts, sentence))[1])
+    since = len(proxy.requests)
 
     async def talk():
         async with sdk(url) as conn:
             created = await conn.recv()
-            session = server.sessions[created.session.id]
-            conversation = session.llm.conversation
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create(response={"instructions": special, "output_modalities": ["text"]})
             first = await _collect(conn)
-            during = session.history(conversation).messages()[0]  # the request for that response
             now[0] = "second"
             await conn.conversation.item.create(item={**item, "content": [{"type": "input_text",
                                                                           "text": "And goodbye."}]})
             await conn.response.create()
             second = await _collect(conn)
-            after = session.history(conversation).messages()[0]
-            return created, first, during, second, after
+            return created, first, second
 
-    created, first, during, second, after = run(talk())
+    created, first, second = run(talk())
+    (during,) = _requests(proxy, since, "Say hello.")  # what llama-server received for each response
+    (after,) = _requests(proxy, since, "And goodbye.")
+    assert during[0] == {"role": "system", "content": special}
+    assert after[0] == {"role": "system", "content": created.session.instructions}, "the session's instructions again"
+    first_reply = first[-1].response.output[0].content[0].text.strip()
+    assert first_reply and first_reply in " ".join(_said(after, "assistant")), "the first reply, as said"
     assert spoken["first"] == [], "a text-only response is not synthesized"
     assert spoken["second"], "a response with audio is"
-    assert during == {"role": "system", "content": special}
-    assert after == {"role": "system", "content": created.session.instructions}, "the session's instructions again"
     assert "response.output_text.delta" in types(first) and "response.output_audio.delta" not in types(first)
     assert "response.output_audio.delta" in types(second), "the session's modalities again"
     assert first[-1].response.status == second[-1].response.status == "completed"
 
 
-def test_deleted_items_leave_the_conversation_the_llm_sees(served):
-    url, server = served
+def test_deleted_items_leave_the_conversation_the_llm_sees(served, proxy):
+    url, _ = served
+    colour, city = "My favourite colour is turquoise.", "I live in Lisbon."
+    since = len(proxy.requests)
 
     def said(text: str, item_id: str) -> dict[str, Any]:
         return {"id": item_id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
+    async def ask(conn: Any, text: str, item_id: str) -> Any:
+        await conn.conversation.item.create(item=said(text, item_id))
+        await conn.response.create(response={"output_modalities": ["text"]})
+        return (await _collect(conn))[-1]
+
     async def talk():
         async with sdk(url) as conn:
-            created = await conn.recv()
-            session = server.sessions[created.session.id]
-            conversation = session.llm.conversation
-            await conn.conversation.item.create(item=said("My favourite colour is turquoise.", "item_colour"))
-            await conn.response.create(response={"output_modalities": ["text"]})
-            colour = (await _collect(conn))[-1]
-            await conn.conversation.item.create(item=said("I live in Lisbon.", "item_city"))
-            await conn.response.create(response={"output_modalities": ["text"]})
-            await _collect(conn)
-            await conn.conversation.item.delete(item_id=colour.response.output[0].id)  # the reply to the colour
+            await conn.recv()
+            answer = await ask(conn, colour, "item_colour")
+            replies = [await ask(conn, city, "item_city")]
+            await conn.conversation.item.delete(item_id=answer.response.output[0].id)  # the reply to the colour
             events = await _collect(conn, until_type="conversation.item.deleted")
-            no_reply = session.history(conversation).messages()  # what its LLM sends
+            replies.append(await ask(conn, "What do you know about me?", "item_know"))  # without that reply
             await conn.conversation.item.delete(item_id="item_colour")
             events += await _collect(conn, until_type="conversation.item.deleted")
-            no_colour = session.history(conversation).messages()  # what its LLM sends
+            await ask(conn, "Anything else?", "item_else")  # ... and without the colour
             await conn.conversation.item.delete(item_id="item_nope", event_id="evt_del")
             events += await _collect(conn, until_type="error")
             await conn.conversation.item.create(item=said("Never mind.", "item_pending"))
             await conn.conversation.item.delete(item_id="item_pending")
             await conn.response.create(event_id="evt_nothing")  # the only new message was deleted
             events += await _collect(conn, until_type="error")
-            return colour, no_reply, no_colour, events
+            return answer, replies, events
 
-    colour, no_reply, no_colour, events = run(talk())
-    reply = json.dumps(colour.response.output[0].content[0].text.strip())[1:-1]
-    assert reply and "turquoise" in _texts(no_reply) and "Lisbon" in _texts(no_reply)
-    assert reply not in _texts(no_reply), "the deleted reply"
-    assert "turquoise" not in _texts(no_colour) and "Lisbon" in _texts(no_colour)
+    answer, replies, events = run(talk())
+    assert answer.response.output[0].content[0].text.strip(), "the reply that is deleted said something"
+    kept = [r.response.output[0].content[0].text.strip() for r in replies]  # the replies to the city, "know"
+    (no_reply,) = _requests(proxy, since, "What do you know about me?")
+    (no_colour,) = _requests(proxy, since, "Anything else?")
+    assert colour in " ".join(_said(no_reply, "user")) and city in " ".join(_said(no_reply, "user"))
+    assert [m.strip() for m in _said(no_reply, "assistant")] == kept[:1], "the deleted reply is not sent"
+    assert colour not in " ".join(_said(no_colour, "user")) and city in " ".join(_said(no_colour, "user"))
+    assert [m.strip() for m in _said(no_colour, "assistant")] == kept, "nor the deleted message"
+    assert not _requests(proxy, since, "Never mind."), "a deleted message asks for nothing"
     deleted = [e.item_id for e in events if e.type == "conversation.item.deleted"]
     assert deleted[1:] == ["item_colour", "item_pending"]
     errors = [e.error for e in events if e.type == "error"]
@@ -309,9 +333,9 @@ def test_a_client_that_stops_reading_is_told_and_closed_when_its_queue_is_full(l
 def test_a_client_that_never_reads_again_does_not_keep_its_socket(llama, tmp_path, monkeypatch):  # noqa: F811
     import psutil
 
-    from nodes.io import _realtime_app
+    from nodes.io.realtime import server as realtime_server
 
-    monkeypatch.setattr(_realtime_app, "CLOSE_GRACE_S", 0.5)
+    monkeypatch.setattr(realtime_server, "CLOSE_GRACE_S", 0.5)
     me = psutil.Process()
     with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=65536") as (url, server), \
             _slow_reader(url) as ws:

@@ -166,3 +166,31 @@ def test_a_missing_silero_wheel_gives_the_no_deps_install_command(monkeypatch, t
     assert err.value.command == "pip install --no-deps silero-vad onnxruntime"
     assert str(err.value).endswith("Install it with: pip install --no-deps silero-vad onnxruntime")
     assert "torch" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_sessions_turn_settings_change_where_turns_end_and_what_it_cannot_take_is_refused(tmp_path):
+    """The node contract's TurnSettings (a Realtime client's turn_detection), on real speech: a
+    1 s pause ends the turn at silence_duration_ms=500 and not at 1500."""
+    from s2s_flow.node import SettingRefused, TurnSettings
+
+    rate = 16000
+    pcm, truth = speech_with_pauses(TEXTS, rate, pause_s=1.0, tail_s=2.0)
+    vad = make_vad(tmp_path)
+    assert isinstance(vad, TurnSettings)
+    assert vad.turn_settings() == {"threshold": 0.5, "silence_duration_ms": 500, "prefix_padding_ms": 30}
+    assert len(speeches(run(vad, pcm, rate))) == 2
+    longer = {"threshold": 0.6, "silence_duration_ms": 1500, "prefix_padding_ms": 300}
+    vad = make_vad(tmp_path)
+    vad.apply_turn_settings(vad.fit_turn_settings(longer))
+    assert vad.turn_settings() == longer
+    (one,) = speeches(run(vad, pcm, rate))
+    assert one.start < truth[0][0] - 0.25, "the turn's audio starts 300 ms before the speech"
+    assert abs(one.end - truth[1][1]) < END_TOL_S + 0.3, "one turn, to the end of the second utterance"
+
+    speculating = SileroVAD(speculate_ms=200)
+    with pytest.raises(SettingRefused, match="speculate_ms") as refused:
+        speculating.fit_turn_settings({**longer, "silence_duration_ms": 150})
+    assert refused.value.setting == "silence_duration_ms"
+    assert speculating.fit_turn_settings(longer)["prefix_padding_ms"] == 200, "lowered to what a speculation pads"
+    with pytest.raises(SettingRefused, match="max_silence_ms"):
+        SileroVAD(turn="smart_turn", min_silence_ms=200, max_silence_ms=1000).fit_turn_settings(longer)

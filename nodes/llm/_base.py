@@ -15,6 +15,7 @@ from typing import Any
 
 from nodes._playback import truncate_to_heard
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
+from nodes.llm._session import SessionLLM
 from nodes.llm._tools import Toolbox, answer_with_tools
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, TextDelta
@@ -34,7 +35,7 @@ def check_range(ok: bool, option: str, value: Any, expected: str) -> None:
         raise ConfigError(f"llm.{option}={value!r} is out of range: expected {expected}")
 
 
-class LLMBase(Node):
+class LLMBase(Node, SessionLLM):
     """The turn handling of every LLM node: a backend implements :meth:`respond` and
     :meth:`stop_reply`, and may say what a user message stores (:meth:`user_content`)."""
 

@@ -274,7 +274,7 @@ def reply_deltas(
 
     The reply is recorded in ``conversation`` as far as it was produced, whatever stops it:
     the end, an error, or the engine closing this generator on barge-in. An error still
-    emits the end marker first, so TTS and sinks close the turn before the graph stops.
+    emits the end marker first (with the error), so TTS and sinks close the turn before the graph stops.
     """
     splitter = SentenceSplitter(min_sentence_chars)
     produced: list[str] = []
@@ -294,8 +294,8 @@ def reply_deltas(
         if not "".join(produced).strip() and not interrupted():
             log.warning("turn %d: the model returned an empty reply", turn)
         yield TextDelta(turn=turn, text="", sentence_end=closes_sentence, end=True)
-    except Exception:
-        yield TextDelta(turn=turn, text="", end=True)
+    except Exception as exc:
+        yield TextDelta(turn=turn, text="", end=True, error=str(exc) or type(exc).__name__)
         raise
     finally:
         close = getattr(source, "close", None)

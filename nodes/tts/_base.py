@@ -26,7 +26,7 @@ import numpy as np
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
-from s2s_flow.node import Node
+from s2s_flow.node import Node, Voiced
 
 __all__ = ["SentenceTTS", "first_clause", "in_pieces", "in_turn", "speakable"]
 
@@ -92,8 +92,9 @@ def speakable(text: str) -> bool:
     return any(ch.isalnum() for ch in text)
 
 
-class SentenceTTS(Node):
-    """Base of the TTS nodes: accumulate deltas into sentences, synthesize, chunk, end marker."""
+class SentenceTTS(Node, Voiced):
+    """Base of the TTS nodes: accumulate deltas into sentences, synthesize, chunk, end marker. A
+    session switches its voice through the node contract's ``Voiced`` (``voice_name``, ``use_voice``)."""
 
     inputs = {"text": TextDelta}
     outputs = {"audio": AudioOut}

@@ -11,13 +11,14 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from s2s_flow.audio import to_float32, to_mono
 from s2s_flow.errors import ConfigError, MissingDependency
 from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
-from s2s_flow.node import Node, require
+from s2s_flow.node import Node, SettingRefused, TurnSettings, require
 
 __all__ = ["SileroVAD", "silero_model_path"]
 
@@ -41,7 +42,7 @@ def silero_model_path() -> Path:
     return path
 
 
-class SileroVAD(Node):
+class SileroVAD(Node, TurnSettings):
     """Emits ``SpeechStarted`` once speech is confirmed and ``Speech`` when the user stops.
 
     The stream is cut into 32 ms windows; a window is speech at ``threshold`` and silence
@@ -158,14 +159,38 @@ class SileroVAD(Node):
     def port_rate(self, port: str) -> int | None:
         return self.sample_rate
 
-    def set_turn_detection(self, *, threshold: float, min_silence_ms: int, speech_pad_ms: int) -> None:
-        """New turn settings for this session (a Realtime client's ``turn_detection``), checked by
-        the caller against the limits of ``__init__``; plain assignments, so a window being
-        decided may still see the old ones."""
+    # -- a session's turn settings (the node contract's TurnSettings) ----------------------
+
+    def turn_settings(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "silence_duration_ms": self.min_silence_ms,
+                "prefix_padding_ms": self.speech_pad_ms}
+
+    def fit_turn_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """A session's settings as far as this VAD can take them (checked against ``__init__``'s
+        limits by the caller): a silence it would not wait for is refused, the padding lowered to
+        ``speculate_ms`` (the padding also closes the utterance a speculation sends)."""
+        silence = settings["silence_duration_ms"]
+        speculate = self.speculate_ms
+        if speculate and silence <= speculate:
+            raise SettingRefused("silence_duration_ms", f"turn_detection.silence_duration_ms={silence}: this server "
+                                 f"starts a reply after vad.speculate_ms={speculate} ms of silence, before the turn "
+                                 "ends; use more than that")
+        if self.turn_detector == "smart_turn" and silence >= self.max_silence_ms:
+            raise SettingRefused("silence_duration_ms", f"turn_detection.silence_duration_ms={silence}: this "
+                                 f"server's turn model ends a turn after vad.max_silence_ms={self.max_silence_ms} ms "
+                                 "anyway; use less")
+        if speculate and settings["prefix_padding_ms"] > speculate:
+            settings = {**settings, "prefix_padding_ms": speculate}
+        return settings
+
+    def apply_turn_settings(self, settings: dict[str, Any]) -> None:
+        """Plain assignments, from the source's thread: a window being decided may still see the old ones."""
         rate = self.sample_rate
+        threshold, silence, pad = (float(settings["threshold"]), int(settings["silence_duration_ms"]),
+                                   int(settings["prefix_padding_ms"]))
         self.threshold, self._neg_threshold = threshold, max(threshold - 0.15, 0.01)
-        self.min_silence_ms, self._min_silence = min_silence_ms, rate * min_silence_ms // 1000
-        self.speech_pad_ms, self._pad = speech_pad_ms, rate * speech_pad_ms // 1000
+        self.min_silence_ms, self._min_silence = silence, rate * silence // 1000
+        self.speech_pad_ms, self._pad = pad, rate * pad // 1000
         self._preroll = deque(self._preroll, maxlen=self._preroll_len())  # the audio kept before speech
 
     # The ONNX session is shared by every session of the process; the recurrent state and

@@ -2,12 +2,15 @@
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/metrics`` (Prometheus text:
 sessions open, turns, voice-to-voice), ``/`` (a browser client). Each connection builds a
-fresh graph from the composed config (cheap: ``__init__`` only), binds the session to its
-source, sink, VAD and LLM, and runs it with its own Scheduler on its own threads; models come
-from the process-wide cache (``Node.shared()``), kept warm here for the server's lifetime.
+fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
+source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
+it with its own Scheduler on its own threads; models come from the process-wide cache
+(``Node.shared()``), kept warm here for the server's lifetime.
 
-What waits for a client is bounded: its events in ``io.max_queued_bytes`` (a client that stops
-reading is told, closed with 1008, and its connection dropped if it still does not read).
+The transport moves text: frames in to the client-event handlers (client_events.py), the
+session's encoded events out. What waits for a client is bounded: its events in
+``io.max_queued_bytes`` (a client that stops reading is told, closed with 1008, and its
+connection dropped if it still does not read).
 """
 
 from __future__ import annotations
@@ -16,39 +19,25 @@ import asyncio
 import contextlib
 import gc
 import hmac
-import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from nodes.io._realtime_events import (
-    CLIENT_EVENTS,
-    ProtocolError,
-    SessionConfig,
-    decode_pcm16,
-    error_event,
-    message_item,
-    new_id,
-    response_instructions,
-    response_modalities,
-)
-from nodes.io._realtime_session import Pending, Response, Session
-from nodes.io.realtime import RealtimeSink, RealtimeSource, fit_vad_settings, vad_turn_settings
-from nodes.tts._base import SentenceTTS
-from s2s_flow.messages import Speech, SpeechStarted
+from nodes.io.realtime import protocol as events
+from nodes.io.realtime.client_events import ClientEvents
+from nodes.io.realtime.protocol import SessionConfig
+from nodes.io.realtime.session import Session
 from s2s_flow.node import Context, keep_shared, require
 
 __all__ = ["RealtimeServer"]
 
 log = logging.getLogger("s2s_flow.realtime")
-PAGE = Path(__file__).with_name("realtime_page.html")
+PAGE = Path(__file__).with_name("page.html")
 CLOSE_GRACE_S = 5.0  # a client closed for not reading gets this long to read its error and the close
-MIN_COMMIT_MS = 100  # input_audio_buffer.commit needs this much audio (as OpenAI's does)
-MAX_BUFFER_S = 300  # manual turns: the input audio buffer holds at most this much before a commit
 
 
 _SERVERS = [0]  # servers of this process that have settled the garbage collector
@@ -71,6 +60,21 @@ def _unsettle_gc() -> None:
         _SERVERS[0] -= 1
         if not _SERVERS[0]:
             gc.unfreeze()
+
+
+class ServerOptions(Protocol):
+    """What the server reads of its settings: the source's (nodes.py), checked at compose time."""
+
+    host: str
+    port: int
+    api_key: str | None
+    max_sessions: int
+    idle_timeout_s: float
+    max_frame_bytes: int
+    max_queued_bytes: int
+
+    @property
+    def serves(self) -> str: ...
 
 
 class _Metrics:
@@ -103,7 +107,7 @@ class RealtimeServer:
     """Serves ``make_graph()`` per connection. ``run()`` blocks (s2s-run); tests use
     ``start()`` / ``stop()``, which run uvicorn on a thread."""
 
-    def __init__(self, make_graph: Callable[[], Any], options: RealtimeSource, run_dir: Path | str,
+    def __init__(self, make_graph: Callable[[], Any], options: ServerOptions, run_dir: Path | str,
                  *, console: Any = None, sock: socket.socket | None = None) -> None:
         require("starlette", "serve")
         require("uvicorn", "serve")
@@ -229,8 +233,8 @@ class RealtimeServer:
         if not ok:
             from starlette.responses import JSONResponse
 
-            body = error_event("invalid_api_key", "missing or wrong API key: send Authorization: Bearer <io.api_key>",
-                               type="authentication_error")
+            body = events.error("invalid_api_key", "missing or wrong API key: send Authorization: Bearer "
+                                "<io.api_key>", type="authentication_error")
             try:
                 await ws.send_denial_response(JSONResponse(body, status_code=401))
             except RuntimeError:  # a server without the denial-response extension
@@ -238,9 +242,9 @@ class RealtimeServer:
             return
         await ws.accept(subprotocol=subprotocol)
         if self.open >= self.options.max_sessions:
-            await ws.send_text(json.dumps({"event_id": new_id("event"), **error_event(
+            await ws.send_text(events.encode(events.error(
                 "session_limit_reached", f"the server holds {self.options.max_sessions} sessions "
-                "(io.max_sessions); try again later", type="server_error")}))
+                "(io.max_sessions); try again later", type="server_error")))
             await ws.close(code=1008, reason="session_limit_reached")
             return
         self.open += 1
@@ -258,7 +262,8 @@ class RealtimeServer:
 
 
 class _Connection:
-    """One WebSocket: its session, its graph on its threads, and the client's events."""
+    """One WebSocket: its session's graph on its threads, the frames in to the client-event handlers,
+    the session's events out through a bounded queue."""
 
     def __init__(self, server: RealtimeServer, ws: Any, send: Any) -> None:
         self.server, self.ws, self._send = server, ws, send
@@ -267,7 +272,7 @@ class _Connection:
         self.queued = 0  # bytes in self.out
         self.overflow = asyncio.Event()  # the client stopped reading: the session ends
         self.session = Session(self._emit, SessionConfig(), observe=server.metrics.observe)
-        self.buffered = 0  # manual turns: samples appended since the last commit or clear
+        self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
 
     def _emit(self, text: str) -> None:
@@ -294,13 +299,13 @@ class _Connection:
 
         server, session = self.server, self.session
         graph = server.make_graph()
-        self._bind(graph)
+        session.nodes.bind(graph)
         run_dir = server.run_dir / "sessions" / session.id
         # the server settles the collector; the session decides for its nodes (ctx.session)
         scheduler = Scheduler(graph, run_dir, own_gc=False, session=session)
         thread = threading.Thread(target=self._run_graph, args=(scheduler, graph, run_dir),
                                   name=f"session:{session.id}", daemon=True)
-        session.send({"type": "session.created", "session": session.config.to_event(session.id)})
+        session.send(events.session_created(session.config.to_event(session.id)))
         sender = asyncio.create_task(self._sender())
         thread.start()
         try:
@@ -308,52 +313,28 @@ class _Connection:
         finally:
             scheduler.stop("the client left")
             session.close_input()
-            session.release_calls("cancelled: the client left")
+            session.tools.release("cancelled: the client left")
             error = await self.done
             thread.join()
             if self.overflow.is_set():
                 sender.cancel()
                 self.out = asyncio.Queue()  # what it did not read is let go now
                 self.server.metrics.dropped.labels("send_queue_full").inc()
-                await self._drop(1008, "send_queue_full", error_event(
+                await self._drop(1008, "send_queue_full", events.error(
                     "send_queue_full", f"the client did not read its events: over io.max_queued_bytes="
                     f"{self.server.options.max_queued_bytes} were waiting, so the session was closed; read "
                     "events as they come", type="server_error"))
             else:
                 if error is not None:
                     session.fail_unfinished(f"the session's graph failed: {error}")
-                    session.send(error_event("server_error", f"the session's graph failed: {error}",
-                                             type="server_error"))
+                    session.send(events.error("server_error", f"the session's graph failed: {error}",
+                                              type="server_error"))
                 session.closed = True
                 # the end marker queues behind the events already on their way (Session.send goes
                 # through the loop): the failed response and the error reach the client first
                 self.loop.call_soon(self.out.put_nowait, None)
                 await sender
                 await self._close()
-
-    def _bind(self, graph: Any) -> None:
-        """Bind the session to the nodes of its graph that talk to it."""
-        session = self.session
-        llm_name = None
-        for name, spec in graph.nodes.items():
-            node = spec.node
-            if isinstance(node, (RealtimeSource, RealtimeSink)):
-                node.session = session
-            elif SpeechStarted in spec.cls.outputs.values() and session.vad is None:
-                session.vad = node
-            elif hasattr(node, "conversation") and session.llm is None:
-                session.llm = node
-                llm_name = name
-            elif isinstance(node, SentenceTTS) and session.tts is None:
-                session.tts = node
-                session.config.voice = node.voice_name
-        session.hears_audio = any(e.dst == llm_name and issubclass(e.type, Speech) for e in graph.edges)
-        if session.llm is not None:
-            session.config.instructions = session.llm.conversation.system_prompt
-        settings = vad_turn_settings(session.vad)
-        if settings is not None and session.config.turn_detection is not None:
-            session.config.turn_detection.update(settings)  # what the server's VAD really does
-            session.config.server_vad = dict(session.config.turn_detection)
 
     def _run_graph(self, scheduler: Any, graph: Any, run_dir: Path) -> None:
         from s2s_flow import metrics
@@ -401,7 +382,7 @@ class _Connection:
         them; if what was written to it is still unsent after CLOSE_GRACE_S, its transport is aborted
         (a close would wait for the client forever, holding the socket)."""
         async def tell() -> None:
-            await self.ws.send_text(json.dumps({"event_id": new_id("event"), **error}))
+            await self.ws.send_text(events.encode(error))
             await self.ws.close(code=code, reason=reason)
 
         transport = _transport(self._send)
@@ -425,217 +406,19 @@ class _Connection:
                 finished, _ = await asyncio.wait({recv, self.done, overflow}, timeout=idle,
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
-                    self.session.send(error_event("idle_timeout", f"no client event for {idle:g} s "
-                                                  "(io.idle_timeout_s): the session ends", type="server_error"))
+                    self.session.send(events.error("idle_timeout", f"no client event for {idle:g} s "
+                                                   "(io.idle_timeout_s): the session ends", type="server_error"))
                     return
                 if recv not in finished:  # the graph ended (failed), or the client stopped reading
                     return
                 message, recv = recv.result(), None
                 if message["type"] == "websocket.disconnect":
                     return
-                self._frame(message)
+                self.handlers.receive(message.get("text"))
         finally:
             overflow.cancel()
             if recv is not None:
                 recv.cancel()
-
-    def _frame(self, message: dict[str, Any]) -> None:
-        text = message.get("text")
-        if text is None:
-            self.session.send(error_event("invalid_frame", "binary frames are not part of the protocol: send "
-                                          "JSON events as text frames"))
-            return
-        limit = self.server.options.max_frame_bytes
-        if len(text) > limit:
-            self.session.send(error_event("frame_too_large", f"a {len(text)}-byte event is over io.max_frame_bytes"
-                                          f"={limit}: send audio in smaller appends (e.g. 20-100 ms each)"))
-            return
-        try:
-            event = json.loads(text)
-        except ValueError as exc:
-            self.session.send(error_event("invalid_json", f"the event is not JSON: {exc}"))
-            return
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            self.session.send(error_event("invalid_event", "an event is a JSON object with a 'type'"))
-            return
-        client_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
-        try:
-            self._event(event)
-        except ProtocolError as exc:
-            self.session.send(error_event(exc.code, exc.message, client_event_id=client_id, param=exc.param,
-                                          type=exc.type))
-
-    # -- client events -------------------------------------------------------------------
-
-    def _event(self, event: dict[str, Any]) -> None:
-        kind, session = event["type"], self.session
-        if kind not in CLIENT_EVENTS:
-            raise ProtocolError("unknown_event", f"unknown event type {kind!r}; this server knows "
-                                f"{', '.join(sorted(CLIENT_EVENTS))}", param="type")
-        if kind == "input_audio_buffer.append":
-            self._append(decode_pcm16(event.get("audio")))
-        elif kind == "session.update":
-            self._update(event.get("session"))
-        elif kind == "input_audio_buffer.commit":
-            self._commit()
-        elif kind == "input_audio_buffer.clear":
-            self.buffered = 0
-            session.put(("clear",))
-            session.send({"type": "input_audio_buffer.cleared"})
-        elif kind == "conversation.item.create":
-            self._item(event.get("item"), event.get("previous_item_id"))
-        elif kind == "conversation.item.delete":
-            item_id = event.get("item_id")
-            if not isinstance(item_id, str):
-                raise ProtocolError("invalid_value", "conversation.item.delete needs an 'item_id'", param="item_id")
-            session.delete(item_id)
-        elif kind == "response.create":
-            self._respond(event.get("response") or {})
-        elif kind == "response.cancel":
-            self._cancel()
-        elif kind == "conversation.item.truncate":
-            self._truncate(event)
-        elif kind == "output_audio_buffer.clear":
-            pass  # WebRTC only; over WebSocket the client owns its playback buffer
-        else:
-            raise ProtocolError("unsupported_event", f"{kind} is not supported by this server yet")
-
-    def _append(self, raw: bytes) -> None:
-        session = self.session
-        if session.config.manual:
-            limit = MAX_BUFFER_S * session.config.input_rate
-            if self.buffered + len(raw) // 2 > limit:
-                raise ProtocolError("input_audio_buffer_full", f"the input audio buffer holds {MAX_BUFFER_S} s: "
-                                    "commit it (input_audio_buffer.commit) or clear it first")
-        if not session.put(("audio", raw, session.config.input_rate, time.monotonic())):
-            raise ProtocolError("input_overflow", "the server is behind on this session's audio: this append "
-                                "was dropped", type="server_error")
-        if session.config.manual:
-            self.buffered += len(raw) // 2
-
-    def _update(self, update: Any) -> None:
-        session, config = self.session, self.session.config
-        if isinstance(update, dict) and ("tools" in update or "tool_choice" in update):
-            session.set_tools(update.get("tools", config.tools), update.get("tool_choice"))
-        before = config.turn_detection
-        config.update(update, fit=lambda new: fit_vad_settings(session.vad, before, new), voice=session.use_voice)
-        if config.turn_detection != before:
-            self.buffered = 0
-            if not session.put(("turns", config.turn_detection and dict(config.turn_detection))):
-                raise ProtocolError("input_overflow", "the server is behind on this session: send the "
-                                    "session.update again", type="server_error")
-        if "instructions" in update:
-            session.set_instructions(config.instructions)
-        session.send({"type": "session.updated", "session": config.to_event(session.id)})
-
-    def _commit(self) -> None:
-        """input_audio_buffer.commit: with manual turns, what was appended is the user's turn."""
-        session = self.session
-        if not session.config.manual:
-            raise ProtocolError("unsupported_value", "with turn_detection server_vad the VAD commits the user's "
-                                "turns itself; set session.audio.input.turn_detection to null to commit them by hand")
-        rate = session.config.input_rate
-        if self.buffered < MIN_COMMIT_MS * rate // 1000:
-            raise ProtocolError("input_audio_buffer_commit_empty", f"buffer too small: expected at least "
-                                f"{MIN_COMMIT_MS} ms of audio, got {1000 * self.buffered // rate} ms")
-        if not session.put(("commit",)):
-            raise ProtocolError("input_overflow", "the server is behind on this session: commit again",
-                                type="server_error")
-        self.buffered = 0
-
-    def _cancel(self) -> None:
-        session = self.session
-        if not session.active():
-            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
-        with session.lock:  # asked for, still waiting for its transcripts: it never starts
-            waiting = [r for r in session.asked if not r.dispatched]
-            for resp in waiting:
-                session.asked.remove(resp)
-                resp.done = True
-        for resp in waiting:
-            session.send({"type": "response.created", "response": resp.as_response("in_progress", output=False)})
-            session.send({"type": "response.done", "response": resp.as_response(
-                "cancelled", {"type": "cancelled", "reason": "client_cancelled"}, output=False)})
-        session.put(("cancel",))
-
-    def _item(self, item: Any, previous: Any) -> None:
-        if not isinstance(item, dict):
-            raise ProtocolError("invalid_value", "conversation.item.create needs an 'item' object", param="item")
-        if item.get("type") == "function_call_output":
-            self._tool_output(item)
-            return
-        if item.get("type", "message") != "message" or item.get("role") != "user":
-            raise ProtocolError("unsupported_value", "conversation.item.create: only user messages (input_text) are "
-                                "supported by this server yet", param="item.type")
-        content = item.get("content")
-        texts = [c.get("text") for c in content or () if isinstance(c, dict) and c.get("type") == "input_text"]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ProtocolError("invalid_value", "a user message needs content [{'type': 'input_text', 'text': "
-                                "...}]", param="item.content")
-        text = " ".join(texts).strip()
-        item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
-        session = self.session
-        prev = session.add_item(item_id)
-        with session.lock:
-            session.pending.append(Pending(item_id, text=text, ready=True))
-        full = message_item(item_id, "user", [{"type": "input_text", "text": text}])
-        session.send({"type": "conversation.item.added", "previous_item_id": prev, "item": full})
-        session.send({"type": "conversation.item.done", "previous_item_id": prev, "item": full})
-
-    def _respond(self, response: Any) -> None:
-        if not isinstance(response, dict):
-            raise ProtocolError("invalid_value", "response.create's 'response' must be an object", param="response")
-        session = self.session
-        if session.active():
-            raise ProtocolError("conversation_already_has_active_response", "a response is in progress: cancel it "
-                                "(response.cancel) or wait for response.done")
-        resp = Response(new_id("resp"), modalities=response_modalities(response, session.config),
-                        instructions=response_instructions(response))
-        waiting = session.waiting_calls()
-        if waiting:  # a client tool's answer: the same turn goes on, in a new response
-            session.begin(waiting[0].turn, resp)
-            session.release_calls()
-            return
-        with session.lock:
-            nothing = not session.pending
-        if nothing:
-            raise ProtocolError("unsupported_value", "response.create answers new user messages: add one "
-                                "(conversation.item.create with input_text), or speak (with turn_detection."
-                                "create_response=false or null, a spoken turn waits for response.create)")
-        session.ask(resp)
-
-    def _tool_output(self, item: dict[str, Any]) -> None:
-        call = self.session.calls.get(item.get("call_id"))  # type: ignore[arg-type]
-        if call is None or call.answered.is_set():
-            raise ProtocolError("item_not_found", f"no function call {item.get('call_id')!r} is waiting for output",
-                                param="item.call_id")
-        output = item.get("output")
-        call.output = output if isinstance(output, str) else json.dumps(output)
-        item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
-        call.output_item = item_id
-        full = {"id": item_id, "object": "realtime.item", "type": "function_call_output", "call_id": call.call_id,
-                "output": call.output, "status": "completed"}
-        prev = self.session.add_item(item_id)
-        self.session.send({"type": "conversation.item.added", "previous_item_id": prev, "item": full})
-        self.session.send({"type": "conversation.item.done", "previous_item_id": prev, "item": full})
-
-    def _truncate(self, event: dict[str, Any]) -> None:
-        item_id, end_ms = event.get("item_id"), event.get("audio_end_ms")
-        resp = self.session.by_item.get(item_id) if isinstance(item_id, str) else None
-        if resp is None:
-            raise ProtocolError("item_not_found", f"no assistant item {item_id!r} in this conversation",
-                                param="item_id")
-        if not isinstance(end_ms, int) or end_ms < 0:
-            raise ProtocolError("invalid_value", "audio_end_ms must be a whole number of milliseconds >= 0",
-                                param="audio_end_ms")
-        if end_ms > resp.audio_ms + 1:
-            raise ProtocolError("invalid_value", f"audio_end_ms={end_ms} is past the {resp.audio_ms:.0f} ms of "
-                                "audio sent for this item", param="audio_end_ms")
-        heard = resp.heard(end_ms)
-        if self.session.playback is not None:
-            self.session.playback.set_heard(resp.turn, heard, played_s=end_ms / 1000, t=time.monotonic())
-        self.session.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
-                           "audio_end_ms": end_ms})
 
 
 def _transport(send: Any) -> Any:

@@ -1,5 +1,8 @@
-"""The OpenAI Realtime protocol's data (GA event names): the session's settings, the server
-events' shapes, ids and errors. No I/O here: nodes/io/realtime.py sends, _realtime_app.py serves.
+"""The OpenAI Realtime protocol (GA event names) as data: the session's settings as
+``session.update`` changes them, one builder for every server event, ids and errors.
+
+No I/O and no state here: the session (session.py) decides what to send and sends it, the
+transport (server.py) moves the encoded text.
 """
 
 from __future__ import annotations
@@ -8,13 +11,14 @@ import base64
 import binascii
 import copy
 import itertools
+import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ProtocolError", "SessionConfig", "new_id", "error_event", "decode_pcm16", "message_item",
-           "response_modalities", "response_instructions", "CLIENT_EVENTS"]
+__all__ = ["ProtocolError", "SessionConfig", "new_id", "encode", "error", "decode_pcm16", "message_item",
+           "response_modalities", "response_instructions", "CLIENT_EVENTS"]  # and the event builders below
 
 CLIENT_EVENTS = frozenset({
     "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
@@ -40,12 +44,6 @@ class ProtocolError(Exception):
         self.code, self.message, self.param, self.type = code, message, param, type
 
 
-def error_event(code: str, message: str, *, client_event_id: str | None = None, param: str | None = None,
-                type: str = "invalid_request_error") -> dict[str, Any]:
-    return {"type": "error", "error": {"type": type, "code": code, "message": message, "param": param,
-                                       "event_id": client_event_id}}
-
-
 def decode_pcm16(audio: Any) -> bytes:
     """``input_audio_buffer.append``'s ``audio``: base64 of 16-bit little-endian PCM, or ProtocolError."""
     if not isinstance(audio, str) or not audio:
@@ -59,11 +57,6 @@ def decode_pcm16(audio: Any) -> bytes:
         raise ProtocolError("invalid_audio", f"'audio' decodes to {len(raw)} bytes: 16-bit PCM has an even "
                             "number of bytes", param="audio")
     return raw
-
-
-def message_item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "object": "realtime.item", "type": "message", "status": status, "role": role,
-            "content": content}
 
 
 def _rate(fmt: Any, where: str) -> int:
@@ -220,3 +213,185 @@ def response_modalities(response: Any, config: SessionConfig) -> list[str]:
     if isinstance(response, dict) and "output_modalities" in response:
         return _modalities(response["output_modalities"], "response.output_modalities")
     return list(config.output_modalities)
+
+
+# -- server events: one builder each --------------------------------------------------------
+
+
+def encode(event: dict[str, Any]) -> str:
+    """A server event as it goes on the wire: JSON, with an ``event_id`` of its own."""
+    return json.dumps({"event_id": new_id("event"), **event})
+
+
+def error(code: str, message: str, *, client_event_id: str | None = None, param: str | None = None,
+          type: str = "invalid_request_error") -> dict[str, Any]:
+    """``error``: what was refused and why; ``client_event_id`` names the client event it answers."""
+    return {"type": "error", "error": {"type": type, "code": code, "message": message, "param": param,
+                                       "event_id": client_event_id}}
+
+
+def session_created(session: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "session.created", "session": session}
+
+
+def session_updated(session: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "session.updated", "session": session}
+
+
+# the input audio buffer and the user's speech
+
+def speech_started(item_id: str, audio_start_ms: int) -> dict[str, Any]:
+    return {"type": "input_audio_buffer.speech_started", "audio_start_ms": audio_start_ms, "item_id": item_id}
+
+
+def speech_stopped(item_id: str, audio_end_ms: int) -> dict[str, Any]:
+    return {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id}
+
+
+def audio_committed(item_id: str, previous_item_id: str | None) -> dict[str, Any]:
+    return {"type": "input_audio_buffer.committed", "previous_item_id": previous_item_id, "item_id": item_id}
+
+
+def audio_cleared() -> dict[str, Any]:
+    return {"type": "input_audio_buffer.cleared"}
+
+
+def transcription_delta(item_id: str, delta: str) -> dict[str, Any]:
+    return {"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id, "content_index": 0,
+            "delta": delta}
+
+
+def transcription_completed(item_id: str, transcript: str) -> dict[str, Any]:
+    return {"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
+            "content_index": 0, "transcript": transcript, "usage": None}
+
+
+# the conversation's items
+
+def message_item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "object": "realtime.item", "type": "message", "status": status, "role": role,
+            "content": content}
+
+
+def user_audio_item(item_id: str, transcript: str | None = None) -> dict[str, Any]:
+    return message_item(item_id, "user", [{"type": "input_audio", "transcript": transcript}])
+
+
+def user_text_item(item_id: str, text: str) -> dict[str, Any]:
+    return message_item(item_id, "user", [{"type": "input_text", "text": text}])
+
+
+def assistant_item(item_id: str, audio: bool, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_audio", "transcript": text} if audio else {"type": "output_text", "text": text}
+    return message_item(item_id, "assistant", [part], status)
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
+                       status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "object": "realtime.item", "type": "function_call", "status": status, "name": name,
+            "call_id": call_id, "arguments": arguments}
+
+
+def function_call_output_item(item_id: str, call_id: str, output: str) -> dict[str, Any]:
+    return {"id": item_id, "object": "realtime.item", "type": "function_call_output", "call_id": call_id,
+            "output": output, "status": "completed"}
+
+
+def item_added(item: dict[str, Any], previous_item_id: str | None) -> dict[str, Any]:
+    return {"type": "conversation.item.added", "previous_item_id": previous_item_id, "item": item}
+
+
+def item_done(item: dict[str, Any], previous_item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "conversation.item.done", "previous_item_id": previous_item_id, "item": item}
+
+
+def item_deleted(item_id: str) -> dict[str, Any]:
+    return {"type": "conversation.item.deleted", "item_id": item_id}
+
+
+def item_truncated(item_id: str, audio_end_ms: int) -> dict[str, Any]:
+    return {"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
+            "audio_end_ms": audio_end_ms}
+
+
+# responses
+
+def response(response_id: str, status: str, modalities: list[str], output: list[dict[str, Any]],
+             details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``realtime.response`` object of ``response.created`` and ``response.done``."""
+    return {"object": "realtime.response", "id": response_id, "status": status, "status_details": details,
+            "output": output, "conversation_id": "conv", "output_modalities": modalities, "usage": None,
+            "metadata": None}
+
+
+def response_created(resource: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.created", "response": resource}
+
+
+def response_done(resource: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.done", "response": resource}
+
+
+def output_item_added(response_id: str, output_index: int, item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.output_item.added", "response_id": response_id, "output_index": output_index,
+            "item": item}
+
+
+def output_item_done(response_id: str, output_index: int, item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.output_item.done", "response_id": response_id, "output_index": output_index,
+            "item": item}
+
+
+def part_ids(response_id: str, item_id: str) -> dict[str, Any]:
+    """Where a content part is: the first (only) part of a response's message item."""
+    return {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
+
+
+def content_part(audio: bool, text: str) -> dict[str, Any]:
+    return {"type": "audio", "transcript": text} if audio else {"type": "text", "text": text}
+
+
+def content_part_added(ids: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.content_part.added", **ids, "part": part}
+
+
+def content_part_done(ids: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.content_part.done", **ids, "part": part}
+
+
+def output_text_delta(ids: dict[str, Any], delta: str) -> dict[str, Any]:
+    return {"type": "response.output_text.delta", **ids, "delta": delta}
+
+
+def output_text_done(ids: dict[str, Any], text: str) -> dict[str, Any]:
+    return {"type": "response.output_text.done", **ids, "text": text}
+
+
+def output_audio_transcript_delta(ids: dict[str, Any], delta: str) -> dict[str, Any]:
+    return {"type": "response.output_audio_transcript.delta", **ids, "delta": delta}
+
+
+def output_audio_transcript_done(ids: dict[str, Any], transcript: str) -> dict[str, Any]:
+    return {"type": "response.output_audio_transcript.done", **ids, "transcript": transcript}
+
+
+def output_audio_delta(ids: dict[str, Any], pcm16: bytes) -> dict[str, Any]:
+    """Audio as base64 of 16-bit little-endian PCM at the session's output rate."""
+    return {"type": "response.output_audio.delta", **ids, "delta": base64.b64encode(pcm16).decode("ascii")}
+
+
+def output_audio_done(ids: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response.output_audio.done", **ids}
+
+
+def function_call_arguments_delta(response_id: str, output_index: int, item_id: str, call_id: str,
+                                  delta: str) -> dict[str, Any]:
+    return {"type": "response.function_call_arguments.delta", "response_id": response_id,
+            "output_index": output_index, "item_id": item_id, "call_id": call_id, "delta": delta}
+
+
+def function_call_arguments_done(response_id: str, output_index: int, item_id: str, call_id: str, name: str,
+                                 arguments: str) -> dict[str, Any]:
+    return {"type": "response.function_call_arguments.done", "response_id": response_id,
+            "output_index": output_index, "item_id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments}
