@@ -5,9 +5,9 @@ audio (PCM16 at the session's rate) into AudioChunks at the pipeline rate (or, w
 turns, the ``Speech`` the client commits), and the user messages a ``response.create`` answers
 into a Transcript that joins the STT's on its way to the LLM (class data ``joins``, read by
 ``s2s_flow.node.joined_ports``). The sink turns the graph's output into the session's events:
-the user's speech started and stopped, their transcript, and each reply's words and audio (resampled to the session's output rate). User
-speech during a reply interrupts it. Both take their session from ``ctx.session``: the server
-gives every session's graph its own (server.py).
+the user's speech started and stopped, their transcript, and each reply's words and audio
+(resampled to the session's output rate). User speech during a reply interrupts it. Both take
+their session from ``ctx.session``: the server gives every session's graph its own (server.py).
 """
 
 from __future__ import annotations
