@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from nodes._http import RemoteError
+from nodes._playback import playback_of
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.responses import ResponsesLLM
 from s2s_flow.audio import wav_bytes
@@ -320,6 +321,35 @@ def test_a_partial_transcript_never_confirms_a_speculative_turn(srv, tmp_path):
     assert turn(node, Transcript(turn=3, text="Capital of", final=False)) == []  # display only
     assert turn(node, Transcript(turn=3, text="Capital of France?")) == []  # the confirmation: answered already
     assert len(srv.posts) == 1 and len(node.conversation.exchanges) == 1
+
+
+def test_a_played_speculative_reply_stays_in_the_history_when_a_barge_in_drops_its_confirmation(srv, tmp_path):
+    # The gate plays a speculative reply once the VAD confirms the turn; the user barged in before the
+    # STT's confirming transcript reached the LLM, so that transcript was dropped as stale.
+    srv.script(Reply.sse(chat_chunks("Paris is the capital.")), Reply.sse(chat_chunks("Rome.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, system_prompt=SYSTEM)
+    turn(node, Transcript(turn=3, text="Capital of France?", speculative=True), 3)
+    playback_of(node.ctx).set_heard(3, "Paris", played_s=0.4, t=0.0)
+    node.on_interrupt(4)
+    turn(node, "And of Italy?", 4)
+    assert srv.posts[-1].body["messages"] == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris"},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+
+
+def test_a_withdrawn_speculative_reply_is_forgotten(srv, tmp_path):
+    srv.script(Reply.sse(chat_chunks("Paris is.")), Reply.sse(chat_chunks("Sure.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, system_prompt=SYSTEM)
+    turn(node, Transcript(turn=3, text="Capital of", speculative=True), 3)
+    node.on_interrupt(4)  # the user went on: never played, the utterance comes again whole
+    turn(node, "Capital of France, and of Italy?", 4)
+    assert srv.posts[-1].body["messages"] == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Capital of France, and of Italy?"},
+    ]
 
 
 def test_reset_starts_the_next_conversation_with_an_empty_history(srv, tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from nodes._playback import truncate_to_heard
+from nodes._playback import playback_of, truncate_to_heard
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
 from nodes.llm._session import SessionLLM
 from nodes.llm._tools import Toolbox, answer_with_tools
@@ -93,7 +93,8 @@ class LLMBase(Node, SessionLLM):
             self.ctx.log.debug("turn %d was answered from %r already; %r ignored", msg.turn, last[1], port)
             return  # both text and audio wired: one reply per turn
         speculative = getattr(msg, "speculative", False)
-        if self.conversation.settle(msg.turn, speculative):
+        playback = playback_of(self.ctx)
+        if self.conversation.settle(msg.turn, speculative, played=lambda t: playback.heard(t) is not None):
             return  # confirmed: its reply already went out on the speculative transcript
         user = self.user_content(port, msg)
         if user is None:

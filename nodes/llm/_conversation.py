@@ -85,11 +85,14 @@ class Conversation:
             self.unconfirmed.add(turn)
         return exchange
 
-    def settle(self, turn: int, speculative: bool) -> bool:
+    def settle(self, turn: int, speculative: bool, played: Callable[[int], bool] = lambda turn: False) -> bool:
         """Speculative turns (``vad.speculate_ms``): True when this user message of ``turn`` only
         confirms a turn already answered on its speculative transcript (no second reply).
         Otherwise a new user turn begins, and each speculative turn never confirmed is
-        forgotten first: the user went on, and the whole utterance comes again as this turn."""
+        forgotten first: the user went on, and the whole utterance comes again as this turn.
+        A turn whose reply was ``played`` was confirmed, even if its confirming transcript never
+        came (a barge-in made it stale on its way): only confirmed replies are played."""
+        self.unconfirmed -= {t for t in self.unconfirmed if played(t)}
         if not speculative and turn in self.unconfirmed:
             self.unconfirmed.discard(turn)
             return True
