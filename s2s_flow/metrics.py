@@ -60,7 +60,11 @@ MILESTONES: tuple[tuple[str, str], ...] = (
     ("turn_confirmed_ms", "turn confirmed (VAD)"),
     ("stt_ms", "STT final transcript"),
     ("llm_first_token_ms", "LLM first token"),
-    ("llm_first_sentence_ms", "LLM first sentence"),
+    # what TTS started on (a first clause with tts.first_clause_words, else the first sentence)
+    ("llm_first_words_ms", "LLM first words to TTS"),
+    # the first full stop the LLM streamed: after the first audio when TTS began on a clause
+    # or a piece of a long sentence (a reply with no full stop for a while: seconds after)
+    ("llm_first_sentence_ms", "LLM first sentence end (full stop)"),
     ("tts_first_audio_ms", "TTS first audio"),
     ("voice_to_voice_ms", "voice-to-voice (first audio at sink)"),
 )
@@ -229,6 +233,7 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
         "turn_confirmed_ms": vad_emit if row["reply"] else None,
         "stt_ms": mark("stt", "out:transcript_final"),
         "llm_first_token_ms": min(token) if token else None,
+        "llm_first_words_ms": spoken if spoken is not None else mark("llm", "out:sentence"),
         "llm_first_sentence_ms": mark("llm", "out:sentence"),
         "tts_first_audio_ms": mark("tts", "out:audio"),
         "voice_to_voice_ms": mark("sink", "in:audio"),

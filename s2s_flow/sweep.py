@@ -332,7 +332,7 @@ def _row(info: Mapping[str, Any]) -> dict[str, Any]:
         row[f"{key}_p50_ms"], row[f"{key}_p95_ms"] = fig.get(f"{key}_p50_ms"), fig.get(f"{key}_p95_ms")
     row["voice_to_voice_max_ms"] = fig.get("voice_to_voice_max_ms")
     row["warmup_voice_to_voice_ms"] = fig.get("warmup_voice_to_voice_ms")
-    for key in ("turn_confirmed", "stt", "llm_first_token", "llm_first_sentence", "tts_first_audio"):
+    for key in ("turn_confirmed", "stt", "llm_first_token", "llm_first_words", "llm_first_sentence", "tts_first_audio"):
         row[f"{key}_p50_ms"] = fig.get(f"{key}_p50_ms")
     row["drops"] = fig.get("drops_total")
     for key in ("speculations", "speculation_wasted", "speculation_confirmed", "prompts", "false_ends",
