@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -69,6 +72,26 @@ def test_features_match_the_whisper_extractor_that_ships_with_the_model(model_wh
     audio = np.concatenate([_silence(3.0), synthesize(QUESTION), _silence(8.0)])[: 8 * RATE]
     np.testing.assert_allclose(whisper_log_mel(audio), reference.compute_whisper_log_mel_features(audio),
                                atol=1e-5)
+
+
+def test_the_model_reads_what_pipecats_own_analyzer_gives_it(model_wheel):
+    """pipecat's LocalSmartTurnAnalyzerV3 (the wheel installed) and our VAD on the same stream,
+    asked at the same moments (tests/support/pipecat_turn.py, in a process of its own): the
+    same audio (the turn from half a second before its start, up to now) and the same answer."""
+    for module in ("loguru", "wait_for2"):  # what importing pipecat's analyzer needs besides the wheel
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"pipecat's analyzer needs {module}: pip install 's2s-flow[test]'")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "tests.support.pipecat_turn"], cwd=root, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    asked = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(asked) == 3  # the question's end, the mid-sentence pause, the sentence's end
+    for a in asked:
+        # pipecat also keeps the part of the 32 ms piece in which its start falls
+        assert 0 <= a["pipecat_samples"] - a["ours_samples"] < 512
+        assert a["ours"] == pytest.approx(a["pipecat"], abs=1e-3)
+    assert asked[0]["ours"] > 0.5 > asked[1]["ours"]  # finished; not finished at the pause
 
 
 def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, model_wheel):

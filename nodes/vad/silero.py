@@ -24,6 +24,10 @@ __all__ = ["SileroVAD", "silero_model_path"]
 _MAX_ZERO_FILL_S = 1.0  # a gap in the input longer than this restarts the timeline
 
 _IDLE, _CANDIDATE, _SPEECH = "idle", "candidate", "speech"
+#: audio before the speech's start that the turn model sees, as pipecat's own analyzer gives it
+#: (LocalSmartTurnAnalyzerV3: SmartTurnParams.pre_speech_ms): the model was trained on turns
+#: with their onset, and a clip starting at the first voiced window reads as cut off
+TURN_PRE_SPEECH_S = 0.5
 _TURN_DETECTORS = ("silence", "smart_turn")
 
 
@@ -150,6 +154,7 @@ class SileroVAD(Node):
         self._max_silence = sample_rate * max_silence_ms // 1000
         self.speculate_ms = speculate_ms
         self._speculate = sample_rate * speculate_ms // 1000
+        self._pre_speech = int(sample_rate * TURN_PRE_SPEECH_S) if turn != "silence" else 0
         self._session = None
         self._smart_turn = None
         self.turn = 0  # keeps rising across conversations: turns are unique within a run
@@ -329,12 +334,18 @@ class SileroVAD(Node):
         if self._asked:  # once per pause: a longer silence only makes the model more sure
             return False
         self._asked = True
-        p = self._smart_turn.probability(np.concatenate(self._utt))
+        p = self._smart_turn.probability(self._turn_audio())
         if p >= self.turn_threshold:
             self._record_end("smart_turn", silence, probability=round(p, 3))
             return True
         self.ctx.log.debug("turn %d: pause, not finished (p=%.2f)", self.turn, p)
         return False
+
+    def _turn_audio(self) -> np.ndarray:
+        """What the turn model reads: the whole turn from ``TURN_PRE_SPEECH_S`` before its start
+        up to now (the pause so far included); it keeps the last 8 s itself."""
+        pcm = np.concatenate(self._utt)
+        return pcm[max(0, self._speech_start - self._pre_speech - self._utt_start):]
 
     def _record_end(self, by: str, silence: int, **fields: float) -> None:
         self.ctx.record("turn_end", turn=self.turn, by=by,
@@ -391,7 +402,8 @@ class SileroVAD(Node):
         return deque(self._utt[-self._preroll_len():])
 
     def _preroll_len(self) -> int:
-        return math.ceil(self._pad / self.window) + 1
+        """Windows kept before speech: the padding of the utterance, or what the turn model sees."""
+        return math.ceil(max(self._pad, self._pre_speech) / self.window) + 1
 
     def _to_idle(self, preroll: deque) -> None:
         self._phase = _IDLE
