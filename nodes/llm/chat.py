@@ -11,7 +11,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nodes._remote import RemoteError, RemoteLLM
+from nodes._remote import DEFAULT_BASE_URL, RemoteClient, RemoteError, RemoteLLM
+from nodes._turn_text import ServerScorer, scoring_messages, turn_text_of
 from nodes.llm._conversation import Exchange, ToolCall
 from nodes.llm._tools import named_tool
 from s2s_flow.audio import wav_bytes
@@ -63,6 +64,55 @@ class ChatCompletionsLLM(RemoteLLM):
         self.audio_content_type = audio_content_type
         self.audio_prompt = audio_prompt or None
         self.keep_audio_turns = keep_audio_turns
+        # vad.turn=text|hybrid: the end-of-turn score comes from the server's own endpoints at its
+        # root (llama-server: /apply-template, /completion), beside the API under base_url
+        root = str(options.get("base_url", DEFAULT_BASE_URL)).rstrip("/").removesuffix("/v1")
+        self._scorer = ServerScorer(RemoteClient(
+            group="llm", base_url=root, api_key=options.get("api_key"), max_retries=0,
+            connect_timeout=options.get("connect_timeout", 5.0), read_timeout=options.get("read_timeout", 60.0)))
+        self._scorer_open = False
+
+    def setup(self) -> None:
+        super().setup()
+        turn_text_of(self.ctx).scorer = "llm=chat"  # until the server shows it has no such endpoints
+        self._scorer.client.log = self.ctx.log
+
+    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        if isinstance(msg, Transcript) and msg.speculative and msg.final:
+            self._score_end_of_turn(msg)  # first: the VAD waits for it; the reply's prompt finds its cache
+        yield from super().process(port, msg)
+
+    def _score_end_of_turn(self, msg: Transcript) -> None:
+        """Post the chance that the user is done (vad.turn=text|hybrid) for the VAD to read."""
+        board = turn_text_of(self.ctx)
+        if not board.wanted or board.scorer is None:
+            return
+        messages = scoring_messages(self.conversation.messages(self.render_user), msg.text)
+        try:
+            if not self._scorer_open:  # its own connection, opened once a VAD asks for scores
+                self._scorer.client.open(warm_up=False)
+                self._scorer_open = True
+            p = self._scorer.probability(messages)
+        except RemoteError as exc:
+            board.scorer = None
+            self.ctx.log.warning(
+                "no end-of-turn score from %s (%s): vad.turn=hybrid goes on the audio alone, vad.turn=text waits "
+                "for vad.max_silence_ms; the score needs llama-server (its /apply-template and /completion)",
+                self._scorer.client.base_url, exc)
+            return
+        if p is None:
+            board.scorer = None
+            self.ctx.log.warning("the model's chat template shows no end-of-turn token after the user's "
+                                 "words: no end-of-turn score (vad.turn=hybrid goes on the audio alone, "
+                                 "vad.turn=text waits for vad.max_silence_ms)")
+            return
+        board.post(msg.turn, p)
+        self.ctx.record("turn_text", turn=msg.turn, probability=round(p, 4))
+
+    def close(self) -> None:
+        super().close()
+        if self._scorer_open:
+            self._scorer.client.close()
 
     # -- request ----------------------------------------------------------------------
 
