@@ -382,7 +382,10 @@ class RealtimeSink(Node):
                       "item_id": session.user_item(msg.turn), "content_index": 0, "delta": text[len(said):]})
 
     def _transcript(self, session: Session, msg: Transcript) -> None:
-        if not msg.final or msg.speculative or msg.turn in session.turn_items:
+        if not msg.final:  # the STT's stable words while the user speaks (stt.stream_ms): deltas
+            self._delta(session, msg)
+            return
+        if msg.speculative or msg.turn in session.turn_items:
             return  # a partial, a speculative one, or the typed message a response.create sent
         item_id = session.user_item(msg.turn)
         held = session.holds(msg.turn)

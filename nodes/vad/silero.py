@@ -16,7 +16,7 @@ import numpy as np
 
 from s2s_flow.audio import to_float32, to_mono
 from s2s_flow.errors import ConfigError, MissingDependency
-from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
+from s2s_flow.messages import AudioChunk, Message, Speech, SpeechSoFar, SpeechStarted
 from s2s_flow.node import Node, require
 
 __all__ = ["SileroVAD", "silero_model_path"]
@@ -69,10 +69,14 @@ class SileroVAD(Node):
     turn is withdrawn: an interrupt (reason "speculation") drops its reply at every hop, and
     the utterance goes on as a new turn, announced by ``SpeechStarted(continues=old turn)``.
     Both outcomes are recorded in the trace (``speculation``, ``speculation_end``).
+
+    STT while the user speaks (``stream_ms`` > 0, set by ``stt.stream_ms``): every that many ms of a
+    turn, the utterance so far goes out as ``SpeechSoFar`` (its samples as its ``Speech`` will hold
+    them), for an STT that decodes it as it grows.
     """
 
     inputs = {"audio": AudioChunk}
-    outputs = {"started": SpeechStarted, "speech": Speech}
+    outputs = {"started": SpeechStarted, "speech": Speech, "growing": SpeechSoFar}
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class SileroVAD(Node):
         turn_threads: int = 1,
         speculate_ms: int = 0,
         text_threshold: float = 0.1,
+        stream_ms: int | None = 0,
     ) -> None:
         if sample_rate not in (8000, 16000):
             raise ConfigError(
@@ -150,6 +155,10 @@ class SileroVAD(Node):
                 f"up to below vad.min_silence_ms={min_silence_ms}: the reply starts after that much "
                 "silence, before the turn is over (e.g. vad.speculate_ms=200 with vad.min_silence_ms=500)."
             )
+        stream_ms = stream_ms or 0
+        if stream_ms < 0 or 0 < stream_ms < 32:
+            raise ConfigError(f"vad.stream_ms={stream_ms}: use 0 (off) or at least one 32 ms window (e.g. 100): "
+                              "how often the utterance so far goes to an STT that decodes while the user speaks")
         if turn_threads < 1:
             raise ConfigError(f"vad.turn_threads={turn_threads} must be >= 1 (onnxruntime intra-op threads).")
         self.threshold = threshold
@@ -175,6 +184,8 @@ class SileroVAD(Node):
         self.speculate_ms = speculate_ms
         self._speculate = sample_rate * speculate_ms // 1000
         self._pre_speech = int(sample_rate * TURN_PRE_SPEECH_S) if turn != "silence" else 0
+        self.stream_ms = stream_ms
+        self._stream = sample_rate * stream_ms // 1000
         self._session = None
         self._smart_turn = None
         self._turn_text = None  # the words' record (vad.turn=text|hybrid), set up with the session
@@ -329,6 +340,9 @@ class SileroVAD(Node):
             self._last_voiced = pos
         elif prob < self._neg_threshold and self._temp_end is None:
             self._temp_end = pos  # silence begins here; the hangover starts counting
+        if self._stream and self._temp_end is None and end - self._streamed >= self._stream:
+            self._streamed = end  # while they speak: a pause is the speculation's (or the turn end's)
+            yield self._so_far()
         over = self._temp_end is not None and self._turn_over(end - self._temp_end)
         if (not over and self._speculate and self._temp_end is not None and not self._speculated
                 and end - self._temp_end >= self._speculate):
@@ -387,6 +401,12 @@ class SileroVAD(Node):
         self.ctx.record("turn_end", turn=self.turn, by=by,
                         silence_ms=round(1000 * silence / self.sample_rate), **fields)
 
+    def _so_far(self) -> SpeechSoFar:
+        """The utterance up to the end of this window, cut where its ``Speech`` will start."""
+        start = max(self._utt_start, self._speech_start - self._pad)
+        pcm = np.concatenate(self._utt)[start - self._utt_start:]
+        return SpeechSoFar(turn=self.turn, pcm=pcm, rate=self.sample_rate, start=start / self.sample_rate)
+
     def _withdraw(self) -> SpeechStarted:
         """The user went on after a speculative ``Speech``: its turn's reply is dropped everywhere
         and the utterance continues as a new turn."""
@@ -400,6 +420,7 @@ class SileroVAD(Node):
 
     def _confirm(self) -> SpeechStarted:
         self._phase = _SPEECH
+        self._streamed = self._speech_start
         self._temp_end = None
         self._audio_p = None
         self._last_voiced = None
@@ -451,3 +472,4 @@ class SileroVAD(Node):
         self._audio_p: float | None = None  # the turn model's answer for this pause
         self._speculated = False  # a speculative Speech went out for this pause
         self._last_voiced: int | None = None  # start of the last window that was speech
+        self._streamed = 0  # stream offset up to which the utterance so far last went out
