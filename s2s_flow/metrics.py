@@ -143,6 +143,9 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
         "measured_turns": len(measured),
         "summary": {key: _stats([t.get(key) for t in measured]) for key in _STATS_KEYS},
         "warmup": {key: warmup.get(key) for key in _STATS_KEYS} if warmup else None,
+        # thread counts a stage timed on this machine when its model loaded (threads: auto)
+        "calibration": {e["stage"]: {k: e[k] for k in ("option", "threads", "ms", "cores") if k in e}
+                        for e in events if e.get("kind") == "calibration"},
         "speculations": len(speculations),
         "speculation_confirmed": outcomes.count("confirmed"),
         "speculation_wasted": outcomes.count("wasted"),
@@ -334,9 +337,15 @@ def figures(rep: Mapping[str, Any]) -> dict[str, Any]:
         out[f"{name}_p50_ms"], out[f"{name}_p95_ms"] = s["p50"], s["p95"]
     out["voice_to_voice_max_ms"] = rep["summary"]["voice_to_voice_ms"]["max"]
     out["warmup_voice_to_voice_ms"] = (rep["warmup"] or {}).get("voice_to_voice_ms")
+    out["calibration"] = calibrated(rep)
     for key in ("speculations", "speculation_confirmed", "speculation_wasted"):
         out[key] = rep.get(key, 0)
     return out
+
+
+def calibrated(rep: Mapping[str, Any]) -> str:
+    """The thread counts chosen on this machine, as ``stt.cpu_threads=1 tts.threads=1`` ('' if none)."""
+    return " ".join(f"{c['option']}={c['threads']}" for c in (rep.get("calibration") or {}).values())
 
 
 def write(rep: Mapping[str, Any], run_dir: Path | str, *, timeline: bool = False) -> Path:
@@ -401,6 +410,13 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
     if rep.get("speculations"):
         notes.append(f"{rep['speculations']} speculative replies: {rep['speculation_confirmed']} confirmed, "
                      f"{rep['speculation_wasted']} withdrawn (the user went on; never played)")
+    if rep.get("calibration"):
+        times = {c["option"]: ", ".join(f"{n}: {ms:.0f} ms" for n, ms in c["ms"].items())
+                 for c in rep["calibration"].values()}
+        notes.append("threads timed on this machine: " + "; ".join(
+            f"{c['option']}={c['threads']}" + (f" ({times[c['option']]})" if times[c["option"]] else
+                                               f" (the budget of {c['cores']} cores)")
+            for c in rep["calibration"].values()))
     drops = rep["drops"]
     notes.append("drops: " + (", ".join(f"{e} {d}" for e, d in drops.items()) if drops else "none"))
     waited = rep["summary"].get("ring_wait_ms", {}).get("p50")

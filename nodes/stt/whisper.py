@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from nodes._calibrate import AUTO, budget, calibrate, check_threads
 from nodes._hub import hf_offline, load_offline_first, local_dir, model_path
 from s2s_flow.audio import resample
 from s2s_flow.errors import ConfigError
@@ -123,7 +124,7 @@ class WhisperSTT(UtteranceSTT):
         model: str = "tiny.en",
         language: str = "en",
         compute_type: str = "int8",
-        cpu_threads: int = 0,
+        cpu_threads: int | str = 0,
         beam_size: int = 1,
         device: str = "auto",
         window_s: float = FULL_WINDOW_S,
@@ -139,8 +140,7 @@ class WhisperSTT(UtteranceSTT):
                               f"{', '.join(_COMPUTE_TYPES)} (int8 is fastest on CPU).")
         if device not in _DEVICES:
             raise ConfigError(f"stt.device={device!r} is unknown: use auto, cpu or cuda.")
-        if cpu_threads < 0:
-            raise ConfigError(f"stt.cpu_threads={cpu_threads} must be >= 0 (0: one per core, at most 4).")
+        check_threads(cpu_threads, "stt.cpu_threads", "CTranslate2 threads; 0: one per core, at most 4")
         if beam_size < 1:
             raise ConfigError(f"stt.beam_size={beam_size} must be >= 1 (1: greedy, fastest).")
         if not MIN_WINDOW_S <= window_s <= FULL_WINDOW_S:
@@ -198,11 +198,25 @@ class WhisperSTT(UtteranceSTT):
     def load_shared(self):
         fw = require("faster_whisper", "whisper")
         path = self._model_path()
-        threads = self.cpu_threads or min(4, os.cpu_count() or 1)
         self.ctx.progress(f"loading Whisper {self.model} ({self.compute_type}, {self.device})")
-        with hf_offline():  # a local directory: nothing may reach for the hub (tokenizer included)
-            self._whisper = fw.WhisperModel(path, device=self.device, compute_type=self.compute_type,
-                                            cpu_threads=threads, num_workers=self._workers)
+
+        def build(threads: int):
+            with hf_offline():  # a local directory: nothing may reach for the hub (tokenizer included)
+                return fw.WhisperModel(path, device=self.device, compute_type=self.compute_type,
+                                       cpu_threads=threads, num_workers=self._workers)
+
+        if self.cpu_threads == AUTO:  # timed here: a sample question, at each count the budget allows
+            self.ctx.progress("timing Whisper's threads on this machine (stt.cpu_threads=auto)")
+            sample = _calibration_audio()
+
+            def work(model) -> None:
+                self._whisper = model
+                self.transcribe(sample)
+
+            self._whisper, record = calibrate(budget(), build, work)
+            self._whisper.calibration = record  # each session's trace shows it (setup)
+        else:
+            self._whisper = build(self.cpu_threads or min(4, os.cpu_count() or 1))
         self.ctx.progress("warming up Whisper")
         self.transcribe(np.zeros(WHISPER_RATE // 2, np.float32))
         return self._whisper
@@ -213,6 +227,9 @@ class WhisperSTT(UtteranceSTT):
         if quiet.level == logging.NOTSET:  # it logs every utterance's duration at INFO
             quiet.setLevel(logging.WARNING)
         self._whisper = self.shared()
+        record = getattr(self._whisper, "calibration", None)  # stt.cpu_threads=auto: what load_shared chose
+        if record is not None:
+            self.ctx.record("calibration", stage="stt", option="stt.cpu_threads", **record)
         self._check_language(fw)
         if self.stream_ms:
             from concurrent.futures import ThreadPoolExecutor
@@ -448,6 +465,16 @@ class WhisperSTT(UtteranceSTT):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._whisper = None
+
+
+def _calibration_audio() -> np.ndarray:
+    """A spoken question that ships with the package (nodes/io/samples), at 16 kHz."""
+    from pathlib import Path
+
+    import soundfile as sf
+
+    pcm, rate = sf.read(str(Path(__file__).resolve().parents[1] / "io" / "samples" / "moon.wav"), dtype="float32")
+    return resample(pcm if pcm.ndim == 1 else pcm.mean(axis=1), rate, WHISPER_RATE)
 
 
 def _repeats(text: str) -> bool:
