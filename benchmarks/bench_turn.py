@@ -183,6 +183,9 @@ def text_signal(seen: list[dict], corpus: list[turn_corpus.Utterance], threshold
         "pauses_read_as_finished": sum(x["p"] >= threshold for x in pauses), "pauses": len(pauses),
         "ends_read_as_finished": sum(x["p"] >= threshold for x in ends), "ends": len(ends),
         "score_ms_p50": round(median([x["ms"] for x in seen])) if seen else None,
+        # at other thresholds: (threshold, pauses read as finished, ends read as finished)
+        "by_threshold": [(t, sum(x["p"] >= t for x in pauses), sum(x["p"] >= t for x in ends))
+                         for t in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)],
         "examples": [{k: x[k] for k in ("text", "p", "p_end_token")} for x in (pauses[:4] + ends[:4])],
     }
 
@@ -191,7 +194,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     ap.add_argument("--policies", default="silence,smart_turn,text,hybrid")
-    ap.add_argument("--text-threshold", type=float, default=0.5, help="vad.text_threshold")
+    ap.add_argument("--text-threshold", type=float, default=SileroVAD().text_threshold,
+                    help="vad.text_threshold (default: the VAD's)")
     ap.add_argument("--max-silence-ms", type=int, default=1000, help="vad.max_silence_ms of the early policies")
     ap.add_argument("--limit", type=int, default=0, help="only the first N utterances (a smoke run)")
     args = ap.parse_args()
@@ -249,6 +253,8 @@ def _print(results: dict) -> None:
                   f"{t['pauses_read_as_finished']}/{t['pauses']} pauses, {t['ends_read_as_finished']}/{t['ends']} "
                   f"ends; the end token alone: {t['pause_end_token_p_5_50_95']} vs {t['end_end_token_p_5_50_95']}; "
                   f"hearing + scoring took {t['score_ms_p50']} ms p50")
+            print("  threshold: pauses read as finished (cut-offs), ends read as finished (early ends): " +
+                  ", ".join(f"{th}: {p}/{t['pauses']}, {e}/{t['ends']}" for th, p, e in t["by_threshold"]))
             break
 
 

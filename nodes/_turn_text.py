@@ -18,7 +18,9 @@ SmolLM2-135M-Instruct is the same base without that training, and after the word
 question it gives ``<|im_end|>`` almost nothing but puts back the question mark (p ~0.5-0.9),
 and after "set a timer for" a space (0.9). So the end probability counts the end-of-turn token
 and the punctuation that ends a sentence (``END_TEXTS``): the chance the message is over at
-this word (benchmarks/bench_turn.py measures what it gives).
+this word. On the turn-taking corpus (benchmarks/bench_turn.py; Whisper's transcripts) it was
+under 0.33 at 95 % of the pauses after an unfinished clause and over 0.4 at half of the finished
+ends; at 0.3 (vad.text_threshold) 2 of 32 pauses and 23 of 32 ends read as finished.
 """
 
 from __future__ import annotations

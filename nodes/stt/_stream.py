@@ -16,11 +16,20 @@ worked), so a slow CPU decodes less often and never falls behind the speech.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Word", "Growing", "Schedule", "last_pause", "key"]
+from s2s_flow.audio import resample
+from s2s_flow.errors import ConfigError
+from s2s_flow.messages import Message, Speech, SpeechSoFar, Transcript
+
+from ._base import UtteranceSTT
+
+__all__ = ["StreamingSTT", "Word", "Growing", "Schedule", "last_pause", "key"]
 
 #: the audio after the cut must be at least this long at the end of a turn: a shorter tail is
 #: read from an earlier cut (too little sound to read on its own)
@@ -29,6 +38,12 @@ MIN_TAIL_S = 0.6
 #: lost its first word ("Can | you tell me" read "Tell me"; "the yolk | stays soft" read "they soft";
 #: at the 100 ms, -20 dB closure in "What's | the capital" it read "What's Capitol")
 MIN_GAP_S = 0.15
+#: a decode of the growing utterance needs this much new speech since the last one ...
+MIN_NEW_S = 0.3
+#: ... and the utterance this long at least (a shorter one is decoded whole at its end, at little cost)
+MIN_GROWING_S = 1.0
+#: ... and at most this long (Whisper's window, less the silence it is given after the speech)
+MAX_GROWING_S = 29.0
 QUIET_DB = -30.0  # a pause is this far below the loudest moment of the utterance so far
 MAX_REREAD = 2  # words before the cut a decode may read again at its start
 PAUSE_SLACK_S = 0.1  # a pause may begin this long after the last stable word's end (as Whisper times it)
@@ -165,3 +180,113 @@ def last_pause(audio: np.ndarray, rate: int, after: float, before: float) -> tup
             found = (i / 100, j / 100)
         i = j
     return found
+
+
+class StreamingSTT(UtteranceSTT):
+    """An utterance STT that also decodes the utterance while it grows (``stream_ms`` > 0). A backend
+    gives ``hypothesis(audio, cut, prompt)`` (the words after ``cut``, timed; None when in doubt)
+    and ``decode_tail(audio, prompt)`` (the words of the turn's last stretch; None when in doubt),
+    and calls ``init_stream`` in ``__init__``, ``start_stream`` in ``setup``, ``stop_stream`` in
+    ``close``. The decodes of the growing utterance run on a thread of their own, so the turn's
+    last decode never queues behind one (the backend's engine must run two calls at once)."""
+
+    inputs = {"audio": Speech, "growing": SpeechSoFar}
+    optional_inputs = frozenset({"growing"})
+
+    def hypothesis(self, audio: np.ndarray, cut: float, prompt: str) -> list[Word] | None:
+        raise NotImplementedError
+
+    def decode_tail(self, audio: np.ndarray, prompt: str) -> tuple[str, str | None] | None:
+        raise NotImplementedError
+
+    def init_stream(self, stream_ms: int, duty: float) -> None:
+        if not 0.05 <= duty <= 1.0:
+            raise ConfigError(f"stt.stream_duty={duty} is the share of the time decoding may take while "
+                              "the user speaks: use 0.05-1 (0.5: rest as long as each decode took).")
+        self.stream_ms, self.stream_duty = stream_ms, duty
+        self._growing: Growing | None = None  # the utterance being decoded as it grows
+        self._schedule = Schedule(duty)
+        self._spoken_turn = -1  # a turn whose speculative Speech came: its SpeechSoFar are late
+        self.clock = time.monotonic  # what the schedule reads
+        self._pool: Any = None  # the thread that decodes the growing utterance
+        self._running: tuple[Growing, Any, np.ndarray] | None = None  # its decode: for what, the future, audio
+
+    def start_stream(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.ctx.name}-growing")
+
+    def stop_stream(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def process(self, port: str, msg: Message) -> Iterator[Transcript]:
+        if isinstance(msg, SpeechSoFar):
+            yield from self._grow(msg)
+            return
+        assert isinstance(msg, Speech)
+        yield from self._collect(msg.turn)  # its stable words go out before the final transcript
+        if msg.speculative:
+            self._spoken_turn = msg.turn  # what comes of this turn while it pauses is its speculation's
+        yield from super().process(port, msg)
+        if not msg.speculative and self._growing is not None and abs(self._growing.start - msg.start) < 1e-6:
+            self._growing = None  # the turn is over
+
+    def _grow(self, msg: SpeechSoFar) -> Iterator[Transcript]:
+        """Take in the last decode of the utterance so far if it is done, and send the stable words
+        when they grew; start the next one on this audio if the schedule lets it."""
+        yield from self._collect(msg.turn)
+        now = self.clock()
+        if (self._pool is None or msg.turn <= self._spoken_turn or self._running is not None
+                or not self._schedule.due(now)):
+            return
+        growing = self._growing
+        if growing is None or abs(growing.start - msg.start) > 1e-6:
+            growing = self._growing = Growing(msg.start)
+        rate = self.input_rate
+        audio = resample(msg.pcm, msg.rate, rate)
+        if (len(audio) - growing.heard < MIN_NEW_S * rate or len(audio) < MIN_GROWING_S * rate
+                or len(audio) > MAX_GROWING_S * rate):
+            return
+        growing.heard = len(audio)
+        cut, prompt = growing.cut, growing.prompt
+
+        def decode() -> list[Word] | None:
+            try:
+                return self.hypothesis(audio, cut, prompt)
+            finally:
+                self._schedule.done(now, self.clock())
+
+        self._running = (growing, self._pool.submit(decode), audio)
+
+    def _collect(self, turn: int, *, wait: bool = False) -> Iterator[Transcript]:
+        """The finished decode of the growing utterance: its stable words, if it is still the one."""
+        if self._running is None or not (wait or self._running[1].done()):
+            return
+        (growing, future, audio), self._running = self._running, None
+        words = future.result()  # a failure in the decode stops the stage, as any decode's would
+        if growing is not self._growing or words is None or not growing.offer(words):
+            return
+        growing.move_cut(audio, self.input_rate)
+        yield Transcript(turn=turn, text=growing.text, language=getattr(self, "language", None), final=False)
+
+    def transcribe_speech(self, msg: Speech, audio: np.ndarray) -> tuple[str, str | None]:
+        """With words already stable: only the audio after the last pause in them, their text as the
+        prompt; a tail decode in doubt falls back to the whole utterance."""
+        growing = self._growing
+        if growing is None or abs(growing.start - msg.start) > 1e-6 or not growing.stable:
+            return self.transcribe(audio)
+        cut, prefix = growing.tail(len(audio) / self.input_rate)
+        if not prefix:
+            return self.transcribe(audio)
+        tail = audio[int(cut * self.input_rate):]
+        decoded = self.decode_tail(tail, prefix)
+        if decoded is None:
+            self.ctx.log.debug("the tail after %r was in doubt: the whole utterance is decoded", prefix)
+            return self.transcribe(audio)
+        words = decoded[0].split()
+        if words and key(words[0]) == key(prefix.split()[-1]):
+            words = words[1:]  # the tail began a little early and read the last stable word again
+        self.ctx.record("stt_tail", turn=msg.turn, read_s=round(len(tail) / self.input_rate, 2),
+                        of_s=round(len(audio) / self.input_rate, 2))
+        return " ".join([prefix, *words]), decoded[1]

@@ -23,9 +23,7 @@ import importlib.util
 import logging
 import os
 import re
-import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,11 +33,9 @@ from nodes._calibrate import AUTO, budget, calibrate, check_threads
 from nodes._hub import hf_offline, load_offline_first, local_dir, model_path
 from s2s_flow.audio import resample
 from s2s_flow.errors import ConfigError
-from s2s_flow.messages import Message, Speech, SpeechSoFar, Transcript
 from s2s_flow.node import require
 
-from ._base import UtteranceSTT
-from ._stream import Growing, Schedule, Word, key
+from ._stream import StreamingSTT, Word, key
 
 __all__ = ["WhisperSTT", "bundled_tiny_en"]
 
@@ -59,12 +55,6 @@ MAX_TOKENS_PER_S = 15
 MAX_UNCOVERED_S = 1.0
 TIMESTAMP_S = 0.02  # Whisper's timestamp tokens step
 PROMPTED_NO_REPEAT = 4
-#: a hypothesis of the growing utterance needs this much new speech since the last one
-MIN_NEW_S = 0.3
-#: ... and is this long at least (a shorter one is decoded whole at its end, at little cost)
-MIN_GROWING_S = 1.0
-#: the growing utterance is decoded while it fits a window (longer: at its end only)
-MAX_GROWING_S = FULL_WINDOW_S - WINDOW_TAIL_S
 # faster-whisper's defaults for its fallback and no-speech decisions, applied to a windowed decode
 COMPRESSION_RATIO_MAX = 2.4
 LOG_PROB_MIN = -1.0
@@ -105,7 +95,7 @@ def check_language(language: str, option: str) -> None:
         )
 
 
-class WhisperSTT(UtteranceSTT):
+class WhisperSTT(StreamingSTT):
     """Transcribes each finished utterance; greedy decoding (beam_size=1) keeps latency low.
 
     With ``stream_ms`` > 0 it also decodes the utterance while the user speaks (the VAD sends it
@@ -115,8 +105,6 @@ class WhisperSTT(UtteranceSTT):
     them to decode, with their text as Whisper's prompt. Needs a window (``window_s``) under 30 s.
     """
 
-    inputs = {"audio": Speech, "growing": SpeechSoFar}
-    optional_inputs = frozenset({"growing"})
 
     def __init__(
         self,
@@ -156,16 +144,7 @@ class WhisperSTT(UtteranceSTT):
             raise ConfigError(
                 "stt.stream_ms decodes the growing utterance many times: in Whisper's 30 s window each "
                 "decode costs as much as a whole turn; set stt.window_s=10 (recipe=local_cpu does).")
-        if not 0.05 <= stream_duty <= 1.0:
-            raise ConfigError(f"stt.stream_duty={stream_duty} is the share of the time decoding may take while "
-                              "the user speaks: use 0.05-1 (0.5: rest as long as each decode took).")
-        self.stream_ms, self.stream_duty = stream_ms, stream_duty
-        self._growing: Growing | None = None  # the utterance being decoded as it grows
-        self._schedule = Schedule(stream_duty)
-        self._spoken_turn = -1  # a turn whose speculative Speech came: its SpeechSoFar are late
-        self.clock = time.monotonic  # what the schedule reads (a benchmark replaying a stream sets its own)
-        self._pool: Any = None  # the thread that decodes the growing utterance (set up with stream_ms)
-        self._running: tuple[Growing, Any, np.ndarray] | None = None  # its decode: for what, the future, audio
+        self.init_stream(stream_ms, stream_duty)
         self.model = model_path(model)
         self.language = language
         self.compute_type = compute_type
@@ -232,10 +211,8 @@ class WhisperSTT(UtteranceSTT):
             self.ctx.record("calibration", stage="stt", option="stt.cpu_threads", **record)
         self._check_language(fw)
         if self.stream_ms:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._tokenizer(None if self.language == "auto" else self.language)  # made here, not in two threads
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.ctx.name}-growing")
+            self.start_stream()
 
     def _model_path(self) -> str:
         """A local directory for ``stt.model``: bundled, given, cached, or downloaded."""
@@ -354,66 +331,24 @@ class WhisperSTT(UtteranceSTT):
             encoded=encoded, frames=features.shape[-1],
         )
 
-    # -- while the user speaks (stream_ms) ----------------------------------------------------
+    # -- while the user speaks (stream_ms): what StreamingSTT asks of the backend ---------------
 
-    def process(self, port: str, msg: Message) -> Iterator[Transcript]:
-        if isinstance(msg, SpeechSoFar):
-            yield from self._grow(msg)
-            return
-        assert isinstance(msg, Speech)
-        yield from self._collect(msg.turn)  # its stable words go out before the final transcript
-        if msg.speculative:
-            self._spoken_turn = msg.turn  # what comes of this turn while it pauses is its speculation's
-        yield from super().process(port, msg)
-        if not msg.speculative and self._growing is not None and abs(self._growing.start - msg.start) < 1e-6:
-            self._growing = None  # the turn is over
-
-    def _grow(self, msg: SpeechSoFar) -> Iterator[Transcript]:
-        """Take in the last decode of the utterance so far if it is done, and send the stable words
-        when they grew; start the next one on this audio if the schedule lets it. The decodes run
-        on a thread of their own: the turn's last decode never waits for one."""
-        yield from self._collect(msg.turn)
-        now = self.clock()
-        if msg.turn <= self._spoken_turn or self._running is not None or not self._schedule.due(now):
-            return
-        growing = self._growing
-        if growing is None or abs(growing.start - msg.start) > 1e-6:
-            growing = self._growing = Growing(msg.start)
-        audio = resample(msg.pcm, msg.rate, WHISPER_RATE)
-        if (len(audio) - growing.heard < MIN_NEW_S * WHISPER_RATE or len(audio) < MIN_GROWING_S * WHISPER_RATE
-                or len(audio) > MAX_GROWING_S * WHISPER_RATE):
-            return
-        growing.heard = len(audio)
-        cut, prompt = growing.cut, growing.prompt
-
-        def decode() -> list[Word] | None:
-            try:
-                return self._hypothesis(audio, cut, prompt)
-            finally:
-                self._schedule.done(now, self.clock())
-
-        self._running = (growing, self._pool.submit(decode), audio)
-
-    def _collect(self, turn: int, *, wait: bool = False) -> Iterator[Transcript]:
-        """The finished decode of the growing utterance: its stable words, if it is still the one."""
-        if self._running is None or not (wait or self._running[1].done()):
-            return
-        (growing, future, audio), self._running = self._running, None
-        words = future.result()  # a failure in the decode stops the stage, as any decode's would
-        if growing is not self._growing or words is None or not growing.offer(words):
-            return
-        growing.move_cut(audio, WHISPER_RATE)
-        yield Transcript(turn=turn, text=growing.text, language=self.language, final=False)
-
-    def _hypothesis(self, audio: np.ndarray, cut: float, prompt: str) -> list[Word] | None:
-        """The words of the audio after ``cut`` (s), timed from the utterance's start; None when the
-        decode is in doubt (a loop, unsure): no word of it can become stable."""
-        # greedy: off the critical path but not off the CPU, and a decode still running when the turn
-        # ends is waited for; the last decode, of the tail, searches with stt.beam_size
+    def hypothesis(self, audio: np.ndarray, cut: float, prompt: str) -> list[Word] | None:
+        # greedy: off the critical path but not off the CPU; the last decode, of the tail, searches
+        # with stt.beam_size
         decoded = self._generate(audio[int(cut * WHISPER_RATE):], prompt or None, 1)
         if decoded is None or decoded.looped or decoded.unsure:
             return None
         return self._aligned(decoded, cut)
+
+    def decode_tail(self, audio: np.ndarray, prompt: str) -> tuple[str, str | None] | None:
+        decoded = self._generate(audio, prompt, self.beam_size)
+        if decoded is not None and not decoded.closed:  # where its text ends, from the words' alignment
+            words, seconds = self._aligned(decoded), len(audio) / WHISPER_RATE
+            decoded = replace(decoded, short=not words or words[-1].end < seconds - MAX_UNCOVERED_S)
+        if decoded is None or decoded.looped or decoded.unsure or decoded.short:
+            return None
+        return decoded.text, decoded.language
 
     def _aligned(self, decoded: _Decode, offset: float = 0.0) -> list[Word]:
         """Its words, timed by Whisper's cross-attention (faster-whisper's word timestamps)."""
@@ -428,30 +363,6 @@ class WhisperSTT(UtteranceSTT):
                 words.append(Word(text, start, end))
         return words
 
-    def transcribe_speech(self, msg: Speech, audio: np.ndarray) -> tuple[str, str | None]:
-        """With words already stable: only the audio after them, their text as the prompt; a tail
-        decode in doubt falls back to the whole utterance."""
-        growing = self._growing
-        if growing is None or abs(growing.start - msg.start) > 1e-6 or not growing.stable:
-            return self.transcribe(audio)
-        cut, prefix = growing.tail(len(audio) / WHISPER_RATE)
-        if not prefix:
-            return self.transcribe(audio)
-        tail_audio = audio[int(cut * WHISPER_RATE):]
-        decoded = self._generate(tail_audio, prefix, self.beam_size)
-        if decoded is not None and not decoded.closed:  # where its text ends, from the words' alignment
-            words, seconds = self._aligned(decoded), len(tail_audio) / WHISPER_RATE
-            decoded = replace(decoded, short=not words or words[-1].end < seconds - MAX_UNCOVERED_S)
-        if decoded is None or decoded.looped or decoded.unsure or decoded.short:
-            self.ctx.log.debug("the tail after %r was in doubt: the whole utterance is decoded", prefix)
-            return self.transcribe(audio)
-        words = decoded.text.split()
-        if words and key(words[0]) == key(prefix.split()[-1]):
-            words = words[1:]  # the tail began a little early and read the last stable word again
-        self.ctx.record("stt_tail", turn=msg.turn, read_s=round(len(tail_audio) / WHISPER_RATE, 2),
-                        of_s=round(len(audio) / WHISPER_RATE, 2))
-        return " ".join([prefix, *words]), decoded.language
-
     def _tokenizer(self, language: str | None):
         if (tokenizer := self._tokenizers.get(language)) is None:
             from faster_whisper.tokenizer import Tokenizer
@@ -462,8 +373,7 @@ class WhisperSTT(UtteranceSTT):
         return tokenizer
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.stop_stream()
         self._whisper = None
 
 

@@ -92,7 +92,7 @@ class SileroVAD(Node):
         turn_threshold: float = 0.5,
         turn_threads: int = 1,
         speculate_ms: int = 0,
-        text_threshold: float = 0.1,
+        text_threshold: float = 0.3,
         stream_ms: int | None = 0,
     ) -> None:
         if sample_rate not in (8000, 16000):
