@@ -21,8 +21,7 @@ import soundfile as sf
 
 from nodes._turn_text import cut_end_token, end_probability, normalise, turn_text_of
 from nodes.vad.silero import SileroVAD
-from nodes.vad.smart_turn import smart_turn_model_path
-from s2s_flow.errors import ConfigError, MissingDependency
+from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, Speech, Transcript
 from s2s_flow.node import Context
 from tests.support.fixtures import llama_server_binary, smollm2_gguf, smollm2_server  # noqa: F401
@@ -33,14 +32,6 @@ QUESTION = "What is the capital of Australia?"
 # Smart Turn hears Piper's first half as a finished sentence (p 0.98): the words must hold the turn
 FIRST_HALF, SECOND_HALF = "Set a timer for", "twenty minutes please."
 EARLY = {"min_silence_ms": 200, "max_silence_ms": 1000, "speculate_ms": 64}
-
-
-@pytest.fixture(scope="module")
-def model_wheel():
-    try:
-        smart_turn_model_path()
-    except MissingDependency as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +118,7 @@ def test_the_llm_scores_a_speculative_transcript_before_it_replies(smollm2_serve
 
 
 def test_a_continuation_after_an_early_pause_is_never_cut_off_with_hybrid(
-        model_wheel, whisper, smollm2_server):  # noqa: F811
+        smart_turn_wheel, whisper, smollm2_server):  # noqa: F811
     pcm, speech_end = _hesitant()
     heard, _ = _run(pcm, whisper, None, turn="smart_turn", **{k: v for k, v in EARLY.items() if k != "speculate_ms"})
     assert len(heard) == 2  # the sound alone takes the pause for the end
@@ -140,7 +131,7 @@ def test_a_continuation_after_an_early_pause_is_never_cut_off_with_hybrid(
     assert not [e for e in events if e["kind"] == "turn_end" and e["by"] == "hybrid"]
 
 
-def test_a_finished_question_ends_after_the_short_silence_with_hybrid(model_wheel, whisper, smollm2_server):  # noqa: F811
+def test_a_finished_question_ends_after_the_short_silence_with_hybrid(smart_turn_wheel, whisper, smollm2_server):  # noqa: F811
     speech = synthesize(QUESTION)
     pcm = np.concatenate([_silence(0.5), speech, _silence(2.0)])
     [turn], events = _run(pcm, whisper, _llm(smollm2_server), turn="hybrid", **EARLY)
@@ -170,7 +161,7 @@ def test_bad_text_turn_settings_are_config_errors_naming_the_option(params, opti
 
 
 def test_hybrid_in_the_engine_ends_a_question_early_and_keeps_a_hesitant_request_whole(
-        tmp_path, model_wheel, smollm2_server):  # noqa: F811
+        tmp_path, smart_turn_wheel, smollm2_server):  # noqa: F811
     """Real time, the whole stack (recipe=local_cpu's stages on a test llama-server): the LLM scores
     the speculative transcripts, the request with a 600 ms pause after "Set a timer for" is one turn.
     Whether the question's turn ends early depends on how soon its score comes on this machine (on a

@@ -56,15 +56,7 @@ def _run(tmp_path: Path, pcm: np.ndarray, **params) -> tuple[list[tuple[Speech, 
     return out, events
 
 
-@pytest.fixture(scope="module")
-def model_wheel():
-    try:
-        smart_turn_model_path()
-    except MissingDependency as exc:
-        pytest.skip(str(exc))
-
-
-def test_features_match_the_whisper_extractor_that_ships_with_the_model(model_wheel):
+def test_features_match_the_whisper_extractor_that_ships_with_the_model(smart_turn_wheel):
     path = smart_turn_model_path().parent.parent / "_whisper_features.py"
     spec = importlib.util.spec_from_file_location("_pipecat_whisper_features", path)
     reference = importlib.util.module_from_spec(spec)
@@ -74,7 +66,7 @@ def test_features_match_the_whisper_extractor_that_ships_with_the_model(model_wh
                                atol=1e-5)
 
 
-def test_the_model_reads_what_pipecats_own_analyzer_gives_it(model_wheel):
+def test_the_model_reads_what_pipecats_own_analyzer_gives_it(smart_turn_wheel):
     """pipecat's LocalSmartTurnAnalyzerV3 (the wheel installed) and our VAD on the same stream,
     asked at the same moments (tests/support/pipecat_turn.py, in a process of its own): the
     same audio (the turn from half a second before its start, up to now) and the same answer."""
@@ -94,7 +86,7 @@ def test_the_model_reads_what_pipecats_own_analyzer_gives_it(model_wheel):
     assert asked[0]["ours"] > 0.5 > asked[1]["ours"]  # finished; not finished at the pause
 
 
-def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, model_wheel):
+def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, smart_turn_wheel):
     speech = synthesize(QUESTION)
     pcm = np.concatenate([_silence(0.5), speech, _silence(2.0)])
     true_end = 0.5 + len(speech) / RATE
@@ -109,7 +101,7 @@ def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, mod
     assert turn.end == pytest.approx(fixed.end) and turn.start == pytest.approx(fixed.start)
 
 
-def test_a_pause_mid_sentence_does_not_end_the_turn(tmp_path, model_wheel):
+def test_a_pause_mid_sentence_does_not_end_the_turn(tmp_path, smart_turn_wheel):
     first, second = synthesize(FIRST_HALF), synthesize(SECOND_HALF)
     pcm = np.concatenate([_silence(0.5), first, _silence(0.6), second, _silence(2.0)])
 
@@ -123,7 +115,7 @@ def test_a_pause_mid_sentence_does_not_end_the_turn(tmp_path, model_wheel):
     assert len(events) == 1  # the mid-sentence pause ended nothing
 
 
-def test_an_unfinished_sentence_ends_after_max_silence(tmp_path, model_wheel):
+def test_an_unfinished_sentence_ends_after_max_silence(tmp_path, smart_turn_wheel):
     first = synthesize(FIRST_HALF)
     pcm = np.concatenate([_silence(0.5), first, _silence(3.0)])
     [(speech, at)], events = _run(tmp_path, pcm, **SMART)
@@ -166,7 +158,7 @@ def test_metrics_say_what_ended_each_turn():
     assert [row["turn_end"] for row in rows] == ["smart_turn", "max_silence"]
 
 
-def test_sessions_share_one_turn_model_that_a_server_keeps_warm(tmp_path, model_wheel):
+def test_sessions_share_one_turn_model_that_a_server_keeps_warm(tmp_path, smart_turn_wheel):
     with keep_shared() as held:  # what io=realtime does while it serves
         first, second = SileroVAD(**SMART), SileroVAD(**SMART)
         for vad in (first, second):
