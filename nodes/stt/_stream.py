@@ -32,8 +32,10 @@ from ._base import UtteranceSTT
 __all__ = ["StreamingSTT", "Word", "Growing", "Schedule", "last_pause", "key"]
 
 #: the audio after the cut must be at least this long at the end of a turn: a shorter tail is
-#: read from an earlier cut (too little sound to read on its own)
-MIN_TAIL_S = 0.6
+#: read from an earlier cut. A short tail read on its own loses words: with 0.6 s the second
+#: halves of the hesitant requests (~1 s after a 400-700 ms pause) cost 3 more errors in 117
+#: words than the whole decode (bench_stt_incremental.py --stream-ms 100)
+MIN_TAIL_S = 2.0
 #: a decode starts only at a pause this long: cut between two words of connected speech, the tail
 #: lost its first word ("Can | you tell me" read "Tell me"; "the yolk | stays soft" read "they soft";
 #: at the 100 ms, -20 dB closure in "What's | the capital" it read "What's Capitol")
