@@ -79,6 +79,7 @@ def _run(pcm: np.ndarray, whisper, llm, **params) -> tuple[list[Speech], list[di
             elif llm is not None:
                 for heard in whisper.process("audio", m):
                     list(llm.process("text", heard))
+                    llm.scored()  # there for the VAD's next window: the soonest it could be live
     return turns + [m for m in vad.finish() or [] if isinstance(m, Speech)], events
 
 
@@ -108,6 +109,7 @@ def test_the_llm_scores_a_speculative_transcript_before_it_replies(smollm2_serve
     board.wanted = True
     for turn, text in enumerate([FIRST_HALF, QUESTION, "Please play some"], 1):
         list(llm.process("text", Transcript(turn=turn, text=text, speculative=True)))
+        llm.scored()
     list(llm.process("text", Transcript(turn=4, text="Thanks.")))  # a confirmed transcript: no score
     llm.close()
     scores = [board.get(t) for t in (1, 2, 3, 4)]

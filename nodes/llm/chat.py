@@ -70,7 +70,8 @@ class ChatCompletionsLLM(RemoteLLM):
         self._scorer = ServerScorer(RemoteClient(
             group="llm", base_url=root, api_key=options.get("api_key"), max_retries=0,
             connect_timeout=options.get("connect_timeout", 5.0), read_timeout=options.get("read_timeout", 60.0)))
-        self._scorer_open = False
+        self._scoring: Any = None  # the thread the scores are made on
+        self._scored: Any = None  # the last score's future
 
     def setup(self) -> None:
         super().setup()
@@ -79,19 +80,28 @@ class ChatCompletionsLLM(RemoteLLM):
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
         if isinstance(msg, Transcript) and msg.speculative and msg.final:
-            self._score_end_of_turn(msg)  # first: the VAD waits for it; the reply's prompt finds its cache
+            self._score_end_of_turn(msg)  # beside the reply, on a connection (and a server slot) of its own
         yield from super().process(port, msg)
 
     def _score_end_of_turn(self, msg: Transcript) -> None:
-        """Post the chance that the user is done (vad.turn=text|hybrid) for the VAD to read."""
+        """Start scoring the chance that the user is done (vad.turn=text|hybrid); the score goes to
+        the VAD when it comes. It runs on a thread of its own, so the reply does not wait for it:
+        with one server slot (llama-server -np 1) the two requests take turns, with two (the recipe)
+        they run together."""
         board = turn_text_of(self.ctx)
         if not board.wanted or board.scorer is None:
             return
         messages = scoring_messages(self.conversation.messages(self.render_user), msg.text)
+        if self._scoring is None:  # its own connection and thread, made once a VAD asks for scores
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._scorer.client.open(warm_up=False)
+            self._scoring = ThreadPoolExecutor(1, thread_name_prefix=f"{self.ctx.name}-turn-text")
+        self._scored = self._scoring.submit(self._score, msg.turn, messages)
+
+    def _score(self, turn: int, messages: list[dict[str, Any]]) -> None:
+        board = turn_text_of(self.ctx)
         try:
-            if not self._scorer_open:  # its own connection, opened once a VAD asks for scores
-                self._scorer.client.open(warm_up=False)
-                self._scorer_open = True
             p = self._scorer.probability(messages)
         except RemoteError as exc:
             board.scorer = None
@@ -106,12 +116,18 @@ class ChatCompletionsLLM(RemoteLLM):
                                  "words: no end-of-turn score (vad.turn=hybrid goes on the audio alone, "
                                  "vad.turn=text waits for vad.max_silence_ms)")
             return
-        board.post(msg.turn, p)
-        self.ctx.record("turn_text", turn=msg.turn, probability=round(p, 4))
+        board.post(turn, p)
+        self.ctx.record("turn_text", turn=turn, probability=round(p, 4))
+
+    def scored(self) -> None:
+        """Wait for the end-of-turn score under way, if any (a test or benchmark in stream time)."""
+        if self._scored is not None:
+            self._scored.result()
 
     def close(self) -> None:
         super().close()
-        if self._scorer_open:
+        if self._scoring is not None:
+            self._scoring.shutdown(wait=True, cancel_futures=True)
             self._scorer.client.close()
 
     # -- request ----------------------------------------------------------------------
