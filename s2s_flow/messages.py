@@ -19,6 +19,7 @@ __all__ = [
     "AudioChunk",
     "SpeechStarted",
     "Speech",
+    "SpeechSoFar",
     "Transcript",
     "TextDelta",
     "AudioOut",
@@ -111,6 +112,19 @@ class Speech(Message):
 
     def mark_time(self) -> float:
         return self.speech_end_t
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeechSoFar(Message):
+    """The user's utterance up to now, while they speak (``vad.stream_ms``): the same ``start`` and
+    samples as its ``Speech`` will have, so an STT can decode it as it grows. The freshest wins:
+    an edge keeps the last four (an STT still decoding one skips the older ones)."""
+
+    pcm: np.ndarray
+    rate: int
+    start: float
+
+    ring: ClassVar[tuple[int, str]] = (4, "drop_oldest")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -60,7 +60,11 @@ MILESTONES: tuple[tuple[str, str], ...] = (
     ("turn_confirmed_ms", "turn confirmed (VAD)"),
     ("stt_ms", "STT final transcript"),
     ("llm_first_token_ms", "LLM first token"),
-    ("llm_first_sentence_ms", "LLM first sentence"),
+    # what TTS started on (a first clause with tts.first_clause_words, else the first sentence)
+    ("llm_first_words_ms", "LLM first words to TTS"),
+    # the first full stop the LLM streamed: after the first audio when TTS began on a clause
+    # or a piece of a long sentence (a reply with no full stop for a while: seconds after)
+    ("llm_first_sentence_ms", "LLM first sentence end (full stop)"),
     ("tts_first_audio_ms", "TTS first audio"),
     ("voice_to_voice_ms", "voice-to-voice (first audio at sink)"),
 )
@@ -139,6 +143,9 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
         "measured_turns": len(measured),
         "summary": {key: _stats([t.get(key) for t in measured]) for key in _STATS_KEYS},
         "warmup": {key: warmup.get(key) for key in _STATS_KEYS} if warmup else None,
+        # thread counts a stage timed on this machine when its model loaded (threads: auto)
+        "calibration": {e["stage"]: {k: e[k] for k in ("option", "threads", "ms", "cores") if k in e}
+                        for e in events if e.get("kind") == "calibration"},
         "speculations": len(speculations),
         "speculation_confirmed": outcomes.count("confirmed"),
         "speculation_wasted": outcomes.count("wasted"),
@@ -229,6 +236,7 @@ def _turn(nodes: Mapping[str, Mapping[str, Any]], roles: Mapping[str, list[str]]
         "turn_confirmed_ms": vad_emit if row["reply"] else None,
         "stt_ms": mark("stt", "out:transcript_final"),
         "llm_first_token_ms": min(token) if token else None,
+        "llm_first_words_ms": spoken if spoken is not None else mark("llm", "out:sentence"),
         "llm_first_sentence_ms": mark("llm", "out:sentence"),
         "tts_first_audio_ms": mark("tts", "out:audio"),
         "voice_to_voice_ms": mark("sink", "in:audio"),
@@ -329,9 +337,15 @@ def figures(rep: Mapping[str, Any]) -> dict[str, Any]:
         out[f"{name}_p50_ms"], out[f"{name}_p95_ms"] = s["p50"], s["p95"]
     out["voice_to_voice_max_ms"] = rep["summary"]["voice_to_voice_ms"]["max"]
     out["warmup_voice_to_voice_ms"] = (rep["warmup"] or {}).get("voice_to_voice_ms")
+    out["calibration"] = calibrated(rep)
     for key in ("speculations", "speculation_confirmed", "speculation_wasted"):
         out[key] = rep.get(key, 0)
     return out
+
+
+def calibrated(rep: Mapping[str, Any]) -> str:
+    """The thread counts chosen on this machine, as ``stt.cpu_threads=1 tts.threads=1`` ('' if none)."""
+    return " ".join(f"{c['option']}={c['threads']}" for c in (rep.get("calibration") or {}).values())
 
 
 def write(rep: Mapping[str, Any], run_dir: Path | str, *, timeline: bool = False) -> Path:
@@ -396,6 +410,13 @@ def show(rep: Mapping[str, Any], console: Any) -> None:
     if rep.get("speculations"):
         notes.append(f"{rep['speculations']} speculative replies: {rep['speculation_confirmed']} confirmed, "
                      f"{rep['speculation_wasted']} withdrawn (the user went on; never played)")
+    if rep.get("calibration"):
+        times = {c["option"]: ", ".join(f"{n}: {ms:.0f} ms" for n, ms in c["ms"].items())
+                 for c in rep["calibration"].values()}
+        notes.append("threads timed on this machine: " + "; ".join(
+            f"{c['option']}={c['threads']}" + (f" ({times[c['option']]})" if times[c["option"]] else
+                                               f" (the budget of {c['cores']} cores)")
+            for c in rep["calibration"].values()))
     drops = rep["drops"]
     notes.append("drops: " + (", ".join(f"{e} {d}" for e, d in drops.items()) if drops else "none"))
     waited = rep["summary"].get("ring_wait_ms", {}).get("p50")

@@ -238,9 +238,10 @@ def _row(info: Mapping[str, Any]) -> dict[str, Any]:
         row[f"{key}_p50_ms"], row[f"{key}_p95_ms"] = fig.get(f"{key}_p50_ms"), fig.get(f"{key}_p95_ms")
     row["voice_to_voice_max_ms"] = fig.get("voice_to_voice_max_ms")
     row["warmup_voice_to_voice_ms"] = fig.get("warmup_voice_to_voice_ms")
-    for key in ("turn_confirmed", "stt", "llm_first_token", "llm_first_sentence", "tts_first_audio"):
+    for key in ("turn_confirmed", "stt", "llm_first_token", "llm_first_words", "llm_first_sentence", "tts_first_audio"):
         row[f"{key}_p50_ms"] = fig.get(f"{key}_p50_ms")
     row["drops"] = fig.get("drops_total")
+    row["calibration"] = fig.get("calibration")  # threads: auto, as timed on the machine of the row
     for key in ("speculations", "speculation_wasted", "speculation_confirmed", "prompts", "false_ends",
                 "hesitant_prompts", "false_ends_hesitant", "wer", "accuracy_error"):
         row[key] = fig.get(key)
@@ -359,8 +360,9 @@ def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
                  "hesitation). WER: the user's final transcripts against the prompts.")
     lines.append("")
     stages, counts = _columns(rows)
+    timed = ["threads timed here"] if any(r.get("calibration") for r in rows) else []  # threads: auto
     head = ["job", "overrides", *(title for _, title in stages), *(title for title, _, _ in counts), "warm-up",
-            "turns", "drops", "launcher", "process", "server", *differ]
+            "turns", "drops", *timed, "launcher", "process", "server", *differ]
     numeric = range(2, 2 + len(stages) + len(counts) + 3)
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join("--:" if i in numeric else "---" for i in range(len(head))) + "|")
@@ -372,7 +374,8 @@ def markdown(rows: list[Mapping[str, Any]], sweep_dir: Path | str = "") -> str:
             cells = [str(r["job"]), f"`{_label(r, common)}`", *(_cell(r, k) for k, _ in stages),
                      *(cell(r) for _, _, cell in counts), "-" if warmup is None else f"{warmup:.0f}",
                      str(r["turns"] if r["turns"] is not None else "-")]
-        cells += [str(r.get("drops") if r.get("drops") is not None else "-"), str(r.get("launcher") or "-"),
+        cells += [str(r.get("drops") if r.get("drops") is not None else "-"),
+                  *([str(r.get("calibration") or "-")] if timed else []), str(r.get("launcher") or "-"),
                   str(r.get("process") or "-"), str(r.get("server") or "-"),
                   *(str(r.get(k, "-")) for k in differ)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")

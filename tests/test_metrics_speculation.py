@@ -141,8 +141,26 @@ def test_a_first_clause_spoken_before_the_sentence_moves_the_split_between_llm_a
     assert turn["stage_llm_ms"] == pytest.approx(109.0)  # from the transcript's arrival at +351
     assert turn["stage_tts_ms"] == pytest.approx(190.0)  # from +460 to the first audio at +650
     assert turn["llm_first_sentence_ms"] == pytest.approx(550.0)  # the milestone itself is unchanged
+    assert turn["llm_first_words_ms"] == pytest.approx(460.0)  # what TTS began on: the clause
     parts = sum(turn[f"stage_{r}_ms"] for r in ("vad", "stt", "llm", "tts", "gate")) + turn["ring_wait_ms"]
     assert parts == pytest.approx(turn["voice_to_voice_ms"])
+
+
+def test_a_full_stop_long_after_the_first_audio_is_reported_as_what_it_is():
+    """A long first sentence spoken in pieces (tts.max_words): the first audio comes long before
+    the LLM's first full stop. The table names both: the words TTS began on, and the full stop."""
+    trace = new_trace()
+    speculated_turn(trace, 1, 10.0, confirm=0.8)
+    trace.events.append({"kind": "tts_start", "t": 10.46, "node": "tts", "turn": 1, "words": 4})
+    data = trace.to_dict()  # as trace.json holds it
+    data["nodes"]["llm"]["1"]["marks"]["out:sentence"] = 10.0 + 26.214  # the first full stop, 26 s in
+    (turn,) = metrics.report(data, {}, graph_with_gate())["turns"]
+    assert turn["llm_first_words_ms"] == pytest.approx(460.0)
+    assert turn["llm_first_words_ms"] < turn["voice_to_voice_ms"] < turn["llm_first_sentence_ms"]
+    assert turn["llm_first_sentence_ms"] == pytest.approx(26214.0)
+    labels = dict(metrics.MILESTONES)
+    assert labels["llm_first_words_ms"] == "LLM first words to TTS"
+    assert "full stop" in labels["llm_first_sentence_ms"]
 
 
 def test_a_reply_confirmed_before_its_audio_is_not_held():

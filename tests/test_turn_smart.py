@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -53,15 +56,7 @@ def _run(tmp_path: Path, pcm: np.ndarray, **params) -> tuple[list[tuple[Speech, 
     return out, events
 
 
-@pytest.fixture(scope="module")
-def model_wheel():
-    try:
-        smart_turn_model_path()
-    except MissingDependency as exc:
-        pytest.skip(str(exc))
-
-
-def test_features_match_the_whisper_extractor_that_ships_with_the_model(model_wheel):
+def test_features_match_the_whisper_extractor_that_ships_with_the_model(smart_turn_wheel):
     path = smart_turn_model_path().parent.parent / "_whisper_features.py"
     spec = importlib.util.spec_from_file_location("_pipecat_whisper_features", path)
     reference = importlib.util.module_from_spec(spec)
@@ -71,7 +66,27 @@ def test_features_match_the_whisper_extractor_that_ships_with_the_model(model_wh
                                atol=1e-5)
 
 
-def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, model_wheel):
+def test_the_model_reads_what_pipecats_own_analyzer_gives_it(smart_turn_wheel):
+    """pipecat's LocalSmartTurnAnalyzerV3 (the wheel installed) and our VAD on the same stream,
+    asked at the same moments (tests/support/pipecat_turn.py, in a process of its own): the
+    same audio (the turn from half a second before its start, up to now) and the same answer."""
+    for module in ("loguru", "wait_for2"):  # what importing pipecat's analyzer needs besides the wheel
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"pipecat's analyzer needs {module}: pip install 's2s-flow[test]'")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "tests.support.pipecat_turn"], cwd=root, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    asked = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(asked) == 3  # the question's end, the mid-sentence pause, the sentence's end
+    for a in asked:
+        # pipecat also keeps the part of the 32 ms piece in which its start falls
+        assert 0 <= a["pipecat_samples"] - a["ours_samples"] < 512
+        assert a["ours"] == pytest.approx(a["pipecat"], abs=1e-3)
+    assert asked[0]["ours"] > 0.5 > asked[1]["ours"]  # finished; not finished at the pause
+
+
+def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, smart_turn_wheel):
     speech = synthesize(QUESTION)
     pcm = np.concatenate([_silence(0.5), speech, _silence(2.0)])
     true_end = 0.5 + len(speech) / RATE
@@ -86,7 +101,7 @@ def test_a_finished_question_ends_the_turn_after_the_short_silence(tmp_path, mod
     assert turn.end == pytest.approx(fixed.end) and turn.start == pytest.approx(fixed.start)
 
 
-def test_a_pause_mid_sentence_does_not_end_the_turn(tmp_path, model_wheel):
+def test_a_pause_mid_sentence_does_not_end_the_turn(tmp_path, smart_turn_wheel):
     first, second = synthesize(FIRST_HALF), synthesize(SECOND_HALF)
     pcm = np.concatenate([_silence(0.5), first, _silence(0.6), second, _silence(2.0)])
 
@@ -100,7 +115,7 @@ def test_a_pause_mid_sentence_does_not_end_the_turn(tmp_path, model_wheel):
     assert len(events) == 1  # the mid-sentence pause ended nothing
 
 
-def test_an_unfinished_sentence_ends_after_max_silence(tmp_path, model_wheel):
+def test_an_unfinished_sentence_ends_after_max_silence(tmp_path, smart_turn_wheel):
     first = synthesize(FIRST_HALF)
     pcm = np.concatenate([_silence(0.5), first, _silence(3.0)])
     [(speech, at)], events = _run(tmp_path, pcm, **SMART)
@@ -143,7 +158,7 @@ def test_metrics_say_what_ended_each_turn():
     assert [row["turn_end"] for row in rows] == ["smart_turn", "max_silence"]
 
 
-def test_sessions_share_one_turn_model_that_a_server_keeps_warm(tmp_path, model_wheel):
+def test_sessions_share_one_turn_model_that_a_server_keeps_warm(tmp_path, smart_turn_wheel):
     with keep_shared() as held:  # what io=realtime does while it serves
         first, second = SileroVAD(**SMART), SileroVAD(**SMART)
         for vad in (first, second):

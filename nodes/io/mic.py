@@ -243,8 +243,9 @@ class SpeakerSink(Node):
         with self._lock:
             text = self._texts.setdefault(msg.turn, TurnText())
             text.note(msg)
-        if isinstance(msg, Transcript) and msg.final and self._view is not None:
-            self._view.user(msg.text)
+        if isinstance(msg, Transcript) and self._view is not None:
+            # not final: the STT's stable words while the user speaks (stt.stream_ms), shown live
+            (self._view.user if msg.final else self._view.partial)(msg.text)
         if not isinstance(msg, TextDelta):
             return
         if "audio" in self.ctx.inputs_connected:

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nodes._http import RemoteError
+from nodes._http import DEFAULT_BASE_URL, HttpPolicy, RemoteClient, RemoteError
+from nodes._turn_text import ServerScorer, scoring_messages, turn_text_of
 from nodes.llm._conversation import Exchange, ToolCall
 from nodes.llm._remote import RemoteLLM
 from nodes.llm._tools import named_tool
@@ -65,6 +66,72 @@ class ChatCompletionsLLM(RemoteLLM):
         self.audio_content_type = audio_content_type
         self.audio_prompt = audio_prompt or None
         self.keep_audio_turns = keep_audio_turns
+        # vad.turn=text|hybrid: the end-of-turn score comes from the server's own endpoints at its
+        # root (llama-server: /apply-template, /completion), beside the API under base_url
+        root = str(options.get("base_url", DEFAULT_BASE_URL)).rstrip("/").removesuffix("/v1")
+        policy = HttpPolicy(connect_timeout=options.get("connect_timeout", 5.0),
+                            read_timeout=options.get("read_timeout", 60.0), max_retries=0)
+        self._scorer = ServerScorer(RemoteClient(group="llm", base_url=root, api_key=options.get("api_key"),
+                                                 policy=policy))
+        self._scoring: Any = None  # the thread the scores are made on
+        self._scored: Any = None  # the last score's future
+
+    def setup(self) -> None:
+        super().setup()
+        turn_text_of(self.ctx).scorer = "llm=chat"  # until the server shows it has no such endpoints
+        self._scorer.client.log = self.ctx.log
+
+    def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        if isinstance(msg, Transcript) and msg.speculative and msg.final:
+            self._score_end_of_turn(msg)  # beside the reply, on a connection (and a server slot) of its own
+        yield from super().process(port, msg)
+
+    def _score_end_of_turn(self, msg: Transcript) -> None:
+        """Start scoring the chance that the user is done (vad.turn=text|hybrid); the score goes to
+        the VAD when it comes. It runs on a thread of its own, so the reply does not wait for it:
+        with one server slot (llama-server -np 1) the two requests take turns, with two (the recipe)
+        they run together."""
+        board = turn_text_of(self.ctx)
+        if not board.wanted or board.scorer is None:
+            return
+        messages = scoring_messages(self.conversation.messages(self.render_user), msg.text)
+        if self._scoring is None:  # its own connection and thread, made once a VAD asks for scores
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._scorer.client.open(warm_up=False)
+            self._scoring = ThreadPoolExecutor(1, thread_name_prefix=f"{self.ctx.name}-turn-text")
+        self._scored = self._scoring.submit(self._score, msg.turn, messages)
+
+    def _score(self, turn: int, messages: list[dict[str, Any]]) -> None:
+        board = turn_text_of(self.ctx)
+        try:
+            p = self._scorer.probability(messages)
+        except RemoteError as exc:
+            board.scorer = None
+            self.ctx.log.warning(
+                "no end-of-turn score from %s (%s): vad.turn=hybrid goes on the audio alone, vad.turn=text waits "
+                "for vad.max_silence_ms; the score needs llama-server (its /apply-template and /completion)",
+                self._scorer.client.base_url, exc)
+            return
+        if p is None:
+            board.scorer = None
+            self.ctx.log.warning("the model's chat template shows no end-of-turn token after the user's "
+                                 "words: no end-of-turn score (vad.turn=hybrid goes on the audio alone, "
+                                 "vad.turn=text waits for vad.max_silence_ms)")
+            return
+        board.post(turn, p)
+        self.ctx.record("turn_text", turn=turn, probability=round(p, 4))
+
+    def scored(self) -> None:
+        """Wait for the end-of-turn score under way, if any (a test or benchmark in stream time)."""
+        if self._scored is not None:
+            self._scored.result()
+
+    def close(self) -> None:
+        super().close()
+        if self._scoring is not None:
+            self._scoring.shutdown(wait=True, cancel_futures=True)
+            self._scorer.client.close()
 
     # -- request ----------------------------------------------------------------------
 

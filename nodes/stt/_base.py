@@ -60,6 +60,11 @@ class UtteranceSTT(Node):
         """The words of ``audio``, which follows ``prefix`` in the same utterance."""
         return self.transcribe(audio)
 
+    def transcribe_speech(self, msg: Speech, audio: np.ndarray) -> tuple[str, str | None]:
+        """The words of a whole utterance not decoded before (a backend that decoded it as it grew
+        reads only what is left)."""
+        return self.transcribe(audio)
+
     def reset(self) -> None:
         """Forget the last speculative decode (a benchmark reusing one node)."""
         self._last = None
@@ -86,7 +91,7 @@ class UtteranceSTT(Node):
             tail, language = self.transcribe_after(audio[last.samples:], last.text)
             text = f"{last.text} {tail}".strip() if tail else last.text
         else:
-            text, language = self.transcribe(audio)
+            text, language = self.transcribe_speech(msg, audio)
         # remembered while the user may go on (a speculative utterance), forgotten once it is over
         self._last = _Decoded(msg.start, len(audio), text, language) if msg.speculative else None
         return text, language

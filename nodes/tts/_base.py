@@ -103,7 +103,7 @@ class SentenceTTS(Node, Voiced):
     max_chunk_s: ClassVar[float] = 0.5
 
     def __init__(self, *, sample_rate: int | None = None, first_clause_words: int = 0,
-                 first_clause_max_words: int = 0, max_words: int = 0, threads: int = 0) -> None:
+                 first_clause_max_words: int = 0, max_words: int = 0, threads: int | str = 0) -> None:
         if sample_rate is not None and not 8000 <= sample_rate <= 192_000:
             raise ConfigError(
                 f"tts.sample_rate={sample_rate} is not a usable audio rate: give a rate in Hz "
@@ -123,15 +123,16 @@ class SentenceTTS(Node, Voiced):
         if max_words < 0:
             raise ConfigError(f"tts.max_words={max_words} must be >= 0: the most words synthesized at once, a "
                               "longer sentence being spoken in pieces (0: whole sentences; e.g. 12).")
-        if threads < 0:
-            raise ConfigError(f"tts.threads={threads} must be >= 0: CPU threads of the synthesizer's own "
-                              "pool (0: its default, one per core).")
+        from nodes._calibrate import check_threads
+
+        check_threads(threads, "tts.threads", "CPU threads of the synthesizer's own pool; 0: one per core")
         self.sample_rate = sample_rate
         self.first_clause_words = first_clause_words
         self.first_clause_max_words = first_clause_max_words
         self.max_words = max_words
-        #: CPU threads of the synthesizer's own pool (piper's onnxruntime), 0 = its default; a CPU
-        #: budget keeps TTS off the cores the LLM generates on. Engines without a pool ignore it.
+        #: CPU threads of the synthesizer's own pool (piper's onnxruntime), 0 = its default, "auto" =
+        #: timed on this machine (nodes/_calibrate.py); a CPU budget keeps TTS off the cores the LLM
+        #: generates on. Engines without a pool ignore it.
         self.threads = threads
         self._clause_open = False  # the reply has spoken nothing yet: its first clause may go ahead
         self._rate_out = sample_rate

@@ -130,7 +130,7 @@ class EspeakTTS(SentenceTTS):
 
     def __init__(self, *, voice: str = "en-us", rate: int = 175, pitch: int = 50,
                  sample_rate: int | None = None, first_clause_words: int = 0, first_clause_max_words: int = 0,
-                 max_words: int = 0, threads: int = 0) -> None:
+                 max_words: int = 0, threads: int | str = 0) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
                          threads=threads)

@@ -106,7 +106,7 @@ class OpenAITTS(SentenceTTS):
         first_clause_words: int = 0,
         first_clause_max_words: int = 0,
         max_words: int = 0,
-        threads: int = 0,
+        threads: int | str = 0,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,

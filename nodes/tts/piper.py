@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from nodes._calibrate import AUTO, budget, calibrate
 from nodes.tts._base import SentenceTTS, in_turn
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
@@ -27,6 +28,7 @@ class SharedVoice:
 
     def __init__(self, voice: Any, slots: int) -> None:
         self.voice, self.slots = voice, slots
+        self.calibration: dict | None = None  # tts.threads=auto: the threads chosen and the times behind them
         self._slots = threading.BoundedSemaphore(slots)
 
     def synthesize(self, text: str, syn_config: Any = None) -> Iterator[np.ndarray]:
@@ -41,6 +43,10 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+#: what tts.threads=auto times: a reply's first clause, the critical part of every reply
+CALIBRATION_CLAUSE = "The capital of Australia is Canberra,"
 
 
 class PiperTTS(SentenceTTS):
@@ -59,7 +65,7 @@ class PiperTTS(SentenceTTS):
         first_clause_words: int = 0,
         first_clause_max_words: int = 0,
         max_words: int = 0,
-        threads: int = 0,
+        threads: int | str = 0,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
@@ -114,29 +120,42 @@ class PiperTTS(SentenceTTS):
         ort = require("onnxruntime", "piper")
         model, config = self._voice_files()
         self.ctx.progress(f"loading piper voice {model.name}")
-        opts = ort.SessionOptions()
-        # No memory pattern: it plans one block per input shape, and every sentence is a new
-        # shape; without it a long synthesis takes ~40 MB less, as fast (4 at once: -45 %).
-        opts.enable_mem_pattern = False
-        if self.threads:  # a CPU budget: these threads only, and none spinning while idle
-            opts.intra_op_num_threads = self.threads
-            opts.inter_op_num_threads = 1
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
-        voice_config = piper.PiperConfig.from_dict(json.loads(config.read_text(encoding="utf-8")))
-        voice = piper.PiperVoice(session=session, config=voice_config)  # the fields since piper-tts 1.3
+        def build(threads: int):
+            opts = ort.SessionOptions()
+            # No memory pattern: it plans one block per input shape, and every sentence is a new
+            # shape; without it a long synthesis takes ~40 MB less, as fast (4 at once: -45 %).
+            opts.enable_mem_pattern = False
+            if threads:  # a CPU budget: these threads only, and none spinning while idle
+                opts.intra_op_num_threads = threads
+                opts.inter_op_num_threads = 1
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
+            voice_config = piper.PiperConfig.from_dict(json.loads(config.read_text(encoding="utf-8")))
+            return piper.PiperVoice(session=session, config=voice_config)  # the fields since piper-tts 1.3
+
+        record = None
+        if self.threads == AUTO:  # timed here: a reply's first clause, at each count the budget allows
+            self.ctx.progress("timing piper's threads on this machine (tts.threads=auto)")
+            voice, record = calibrate(budget(), build, lambda v: next(iter(v.synthesize(CALIBRATION_CLAUSE))))
+            threads = record["threads"]
+        else:
+            voice, threads = build(self.threads), self.threads
         # Once per process, not per session: the first sentence of every session after it finds
         # onnxruntime's kernels and arena ready.
         self.ctx.progress("warming up piper")
         for _ in voice.synthesize("Hello."):
             pass
         # onnxruntime's own pool (threads=0) spreads one synthesis over every core already
-        return SharedVoice(voice, slots=max(1, _cores() // self.threads) if self.threads else 1)
+        shared = SharedVoice(voice, slots=max(1, _cores() // threads) if threads else 1)
+        shared.calibration = record  # each session's trace shows it (setup)
+        return shared
 
     def setup(self) -> None:
         piper = require("piper", "piper")
         model, _ = self._voice_files()
         self._shared = self.shared()
+        if self._shared.calibration is not None:  # tts.threads=auto: what load_shared chose
+            self.ctx.record("calibration", stage="tts", option="tts.threads", **self._shared.calibration)
         speakers = self._voice.config.num_speakers
         if self.speaker is not None and self.speaker >= speakers:
             raise ConfigError(f"tts.speaker={self.speaker}: voice {model.name} has {speakers} speaker(s), "

@@ -17,7 +17,7 @@ import numpy as np
 
 from s2s_flow.audio import to_float32, to_mono
 from s2s_flow.errors import ConfigError, MissingDependency
-from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted
+from s2s_flow.messages import AudioChunk, Message, Speech, SpeechSoFar, SpeechStarted
 from s2s_flow.node import Node, SettingRefused, TurnSettings, require
 
 __all__ = ["SileroVAD", "silero_model_path"]
@@ -25,7 +25,13 @@ __all__ = ["SileroVAD", "silero_model_path"]
 _MAX_ZERO_FILL_S = 1.0  # a gap in the input longer than this restarts the timeline
 
 _IDLE, _CANDIDATE, _SPEECH = "idle", "candidate", "speech"
-_TURN_DETECTORS = ("silence", "smart_turn")
+#: audio before the speech's start that the turn model sees, as pipecat's own analyzer gives it
+#: (LocalSmartTurnAnalyzerV3: SmartTurnParams.pre_speech_ms): the model was trained on turns
+#: with their onset, and a clip starting at the first voiced window reads as cut off
+TURN_PRE_SPEECH_S = 0.5
+_TURN_DETECTORS = ("silence", "smart_turn", "text", "hybrid")
+_HEARS = ("smart_turn", "hybrid")  # the policies that ask the audio model
+_READS = ("text", "hybrid")  # ... and those that read the words (nodes/_turn_text.py)
 
 
 # silero-vad asks for torch, which vad=silero never imports: its wheel goes in without it.
@@ -50,8 +56,12 @@ class SileroVAD(Node, TurnSettings):
     ends after ``min_silence_ms`` of silence. With ``turn="smart_turn"`` the Smart Turn model
     is asked once per pause, after ``min_silence_ms`` (short: 200 ms), whether the user
     sounds finished (probability >= ``turn_threshold``); if not, the turn ends only when the
-    user has been silent for ``max_silence_ms``. Either way ``speech_end_t`` is moved back
-    to when the silence began, so latency is measured from the user's real end of speech.
+    user has been silent for ``max_silence_ms``. ``turn="text"`` asks the words instead: the
+    LLM's probability that the speculative transcript ends the user's message (>= ``text_threshold``,
+    nodes/_turn_text.py), waited for until it comes. ``turn="hybrid"`` ends the turn after
+    ``min_silence_ms`` only when both say finished, and after ``max_silence_ms`` when either says
+    not. Either way ``speech_end_t`` is moved back to when the silence began, so latency is
+    measured from the user's real end of speech.
 
     Speculation (``speculate_ms`` > 0): after that much silence, before the turn is known to be
     over, the utterance so far goes out as ``Speech(speculative=True)`` so STT and the LLM
@@ -60,10 +70,14 @@ class SileroVAD(Node, TurnSettings):
     turn is withdrawn: an interrupt (reason "speculation") drops its reply at every hop, and
     the utterance goes on as a new turn, announced by ``SpeechStarted(continues=old turn)``.
     Both outcomes are recorded in the trace (``speculation``, ``speculation_end``).
+
+    STT while the user speaks (``stream_ms`` > 0, set by ``stt.stream_ms``): every that many ms of a
+    turn, the utterance so far goes out as ``SpeechSoFar`` (its samples as its ``Speech`` will hold
+    them), for an STT that decodes it as it grows.
     """
 
     inputs = {"audio": AudioChunk}
-    outputs = {"started": SpeechStarted, "speech": Speech}
+    outputs = {"started": SpeechStarted, "speech": Speech, "growing": SpeechSoFar}
 
     def __init__(
         self,
@@ -79,6 +93,8 @@ class SileroVAD(Node, TurnSettings):
         turn_threshold: float = 0.5,
         turn_threads: int = 1,
         speculate_ms: int = 0,
+        text_threshold: float = 0.3,
+        stream_ms: int | None = 0,
     ) -> None:
         if sample_rate not in (8000, 16000):
             raise ConfigError(
@@ -102,19 +118,31 @@ class SileroVAD(Node, TurnSettings):
         if turn not in _TURN_DETECTORS:
             raise ConfigError(
                 f"vad.turn={turn!r} is not a turn detector: choose vad.turn=silence (the turn ends after "
-                "vad.min_silence_ms of silence) or vad.turn=smart_turn (the Smart Turn model decides "
-                "after vad.min_silence_ms; vad.max_silence_ms ends the turn anyway)."
+                "vad.min_silence_ms of silence), vad.turn=smart_turn (the Smart Turn model decides "
+                "after vad.min_silence_ms; vad.max_silence_ms ends the turn anyway), vad.turn=text (the "
+                "LLM reads the words so far) or vad.turn=hybrid (both must say the user is done)."
             )
-        if turn == "smart_turn":
-            if max_silence_ms <= min_silence_ms:
+        if turn != "silence" and max_silence_ms <= min_silence_ms:
+            raise ConfigError(
+                f"vad.max_silence_ms={max_silence_ms} must be longer than vad.min_silence_ms="
+                f"{min_silence_ms}: with vad.turn={turn} the detector is asked after the short "
+                "silence and the long one ends the turn anyway (e.g. 200 and 1000)."
+            )
+        if turn in _READS:
+            if not speculate_ms:
                 raise ConfigError(
-                    f"vad.max_silence_ms={max_silence_ms} must be longer than vad.min_silence_ms="
-                    f"{min_silence_ms}: with vad.turn=smart_turn the model is asked after the short "
-                    "silence and the long one ends the turn anyway (e.g. 200 and 1000)."
+                    f"vad.turn={turn} reads the words said before the pause, which the speculative transcript "
+                    "brings: set vad.speculate_ms (e.g. vad.speculate_ms=64 vad.min_silence_ms=200)."
                 )
+            if not 0.0 < text_threshold < 1.0:
+                raise ConfigError(
+                    f"vad.text_threshold={text_threshold} is out of range: it is the LLM's probability that "
+                    "the user's message ends after the words so far; use 0.05-0.95."
+                )
+        if turn in _HEARS:
             if sample_rate != 16000:
                 raise ConfigError(
-                    "vad.turn=smart_turn needs vad.sample_rate=16000 (the model reads 16 kHz audio); "
+                    f"vad.turn={turn} needs vad.sample_rate=16000 (the Smart Turn model reads 16 kHz audio); "
                     "set vad.sample_rate=16000 and io.rate=16000, or vad.turn=silence."
                 )
             if not 0.0 < turn_threshold < 1.0:
@@ -128,12 +156,17 @@ class SileroVAD(Node, TurnSettings):
                 f"up to below vad.min_silence_ms={min_silence_ms}: the reply starts after that much "
                 "silence, before the turn is over (e.g. vad.speculate_ms=200 with vad.min_silence_ms=500)."
             )
+        stream_ms = stream_ms or 0
+        if stream_ms < 0 or 0 < stream_ms < 32:
+            raise ConfigError(f"vad.stream_ms={stream_ms}: use 0 (off) or at least one 32 ms window (e.g. 100): "
+                              "how often the utterance so far goes to an STT that decodes while the user speaks")
         if turn_threads < 1:
             raise ConfigError(f"vad.turn_threads={turn_threads} must be >= 1 (onnxruntime intra-op threads).")
         self.threshold = threshold
         self.turn_detector = turn
         self.max_silence_ms = max_silence_ms
         self.turn_threshold = turn_threshold
+        self.text_threshold = text_threshold
         self.turn_threads = turn_threads
         self.min_speech_ms = min_speech_ms
         self.min_silence_ms = min_silence_ms
@@ -151,8 +184,12 @@ class SileroVAD(Node, TurnSettings):
         self._max_silence = sample_rate * max_silence_ms // 1000
         self.speculate_ms = speculate_ms
         self._speculate = sample_rate * speculate_ms // 1000
+        self._pre_speech = int(sample_rate * TURN_PRE_SPEECH_S) if turn != "silence" else 0
+        self.stream_ms = stream_ms
+        self._stream = sample_rate * stream_ms // 1000
         self._session = None
         self._smart_turn = None
+        self._turn_text = None  # the words' record (vad.turn=text|hybrid), set up with the session
         self.turn = 0  # keeps rising across conversations: turns are unique within a run
         self.reset()
 
@@ -210,10 +247,15 @@ class SileroVAD(Node, TurnSettings):
     def setup(self) -> None:
         self._session = self.shared()
         self._sr = np.array(self.sample_rate, dtype=np.int64)
-        if self.turn_detector == "smart_turn":
+        if self.turn_detector in _HEARS:
             from nodes.vad.smart_turn import shared_smart_turn
 
             self._smart_turn = shared_smart_turn(self.turn_threads)
+        if self.turn_detector in _READS:
+            from nodes._turn_text import turn_text_of
+
+            self._turn_text = turn_text_of(self.ctx)
+            self._turn_text.wanted = True
         self.reset()
         self.speech_probability(np.zeros(self.window, np.float32))  # warm up
         self.reset()
@@ -319,10 +361,13 @@ class SileroVAD(Node, TurnSettings):
             if self._speculated:
                 yield self._withdraw()
             self._temp_end = None
-            self._asked = False
+            self._audio_p = None
             self._last_voiced = pos
         elif prob < self._neg_threshold and self._temp_end is None:
             self._temp_end = pos  # silence begins here; the hangover starts counting
+        if self._stream and self._temp_end is None and end - self._streamed >= self._stream:
+            self._streamed = end  # while they speak: a pause is the speculation's (or the turn end's)
+            yield self._so_far()
         over = self._temp_end is not None and self._turn_over(end - self._temp_end)
         if (not over and self._speculate and self._temp_end is not None and not self._speculated
                 and end - self._temp_end >= self._speculate):
@@ -346,24 +391,46 @@ class SileroVAD(Node, TurnSettings):
         """Whether ``silence`` samples of pause end the turn (and record why when they do)."""
         if silence < self._min_silence:
             return False
-        if self._smart_turn is None:
+        if self.turn_detector == "silence":
             return True
         if silence >= self._max_silence:
             self._record_end("max_silence", silence)
             return True
-        if self._asked:  # once per pause: a longer silence only makes the model more sure
-            return False
-        self._asked = True
-        p = self._smart_turn.probability(np.concatenate(self._utt))
-        if p >= self.turn_threshold:
-            self._record_end("smart_turn", silence, probability=round(p, 3))
-            return True
-        self.ctx.log.debug("turn %d: pause, not finished (p=%.2f)", self.turn, p)
-        return False
+        if self._audio_p is None and self._smart_turn is not None:
+            # once per pause: a longer silence only makes the model more sure
+            self._audio_p = self._smart_turn.probability(self._turn_audio())
+            if self._audio_p < self.turn_threshold:
+                self.ctx.log.debug("turn %d: pause, not finished by the sound (p=%.2f)", self.turn, self._audio_p)
+        if self._audio_p is not None and self._audio_p < self.turn_threshold:
+            return False  # the sound says not finished: the long silence decides
+        fields = {"probability": round(self._audio_p, 3)} if self._audio_p is not None else {}
+        if self._turn_text is not None:
+            if self._turn_text.scorer is None:  # no LLM gives scores: the sound alone, or the silence
+                if self._smart_turn is None:
+                    return False
+            else:
+                text_p = self._turn_text.get(self.turn)
+                if text_p is None or text_p < self.text_threshold:
+                    return False  # not read yet (asked again next window), or not finished by the words
+                fields["text_probability"] = round(text_p, 3)
+        self._record_end(self.turn_detector, silence, **fields)
+        return True
+
+    def _turn_audio(self) -> np.ndarray:
+        """What the turn model reads: the whole turn from ``TURN_PRE_SPEECH_S`` before its start
+        up to now (the pause so far included); it keeps the last 8 s itself."""
+        pcm = np.concatenate(self._utt)
+        return pcm[max(0, self._speech_start - self._pre_speech - self._utt_start):]
 
     def _record_end(self, by: str, silence: int, **fields: float) -> None:
         self.ctx.record("turn_end", turn=self.turn, by=by,
                         silence_ms=round(1000 * silence / self.sample_rate), **fields)
+
+    def _so_far(self) -> SpeechSoFar:
+        """The utterance up to the end of this window, cut where its ``Speech`` will start."""
+        start = max(self._utt_start, self._speech_start - self._pad)
+        pcm = np.concatenate(self._utt)[start - self._utt_start:]
+        return SpeechSoFar(turn=self.turn, pcm=pcm, rate=self.sample_rate, start=start / self.sample_rate)
 
     def _withdraw(self) -> SpeechStarted:
         """The user went on after a speculative ``Speech``: its turn's reply is dropped everywhere
@@ -378,8 +445,9 @@ class SileroVAD(Node, TurnSettings):
 
     def _confirm(self) -> SpeechStarted:
         self._phase = _SPEECH
+        self._streamed = self._speech_start
         self._temp_end = None
-        self._asked = False
+        self._audio_p = None
         self._last_voiced = None
         self.turn = self.ctx.new_turn() if hasattr(self, "ctx") else self.turn + 1
         start = max(self._utt_start, self._speech_start - self._pad)
@@ -416,7 +484,8 @@ class SileroVAD(Node, TurnSettings):
         return deque(self._utt[-self._preroll_len():])
 
     def _preroll_len(self) -> int:
-        return math.ceil(self._pad / self.window) + 1
+        """Windows kept before speech: the padding of the utterance, or what the turn model sees."""
+        return math.ceil(max(self._pad, self._pre_speech) / self.window) + 1
 
     def _to_idle(self, preroll: deque) -> None:
         self._phase = _IDLE
@@ -425,6 +494,7 @@ class SileroVAD(Node, TurnSettings):
         self._utt_start = 0
         self._speech_start = 0
         self._temp_end: int | None = None
-        self._asked = False  # the turn detector was asked during this pause
+        self._audio_p: float | None = None  # the turn model's answer for this pause
         self._speculated = False  # a speculative Speech went out for this pause
         self._last_voiced: int | None = None  # start of the last window that was speech
+        self._streamed = 0  # stream offset up to which the utterance so far last went out

@@ -6,7 +6,11 @@ does not); if not, it waits for more speech or for ``vad.max_silence_ms`` of sil
 
 The ONNX file (8.7 MB, CPU) ships inside the ``pipecat-ai`` wheel, installed with
 ``--no-deps`` as a model wheel; it is located with ``find_spec`` and pipecat is never
-imported. The model reads the last 8 s of 16 kHz audio as Whisper log-mel features
+imported. It is fed as pipecat's own analyzer (``LocalSmartTurnAnalyzerV3``) feeds it: the whole
+turn from half a second before its start up to the decision (the VAD keeps that much audio
+before speech: ``nodes.vad.silero.TURN_PRE_SPEECH_S``), of which the model reads the last 8 s,
+zeros in front of a shorter one (tests/test_turn_smart.py holds both to pipecat's analyzer on
+the same stream). The model reads 16 kHz audio as Whisper log-mel features
 (80 bins x 800 frames), computed here with numpy exactly as Whisper's feature extractor
 does (tests/test_turn_smart.py holds them to pipecat's own extractor).
 """

@@ -20,6 +20,18 @@ from tests.support.tiny_llama import TinyLlama, build_tiny_llama
 
 
 @pytest.fixture(scope="session")
+def smart_turn_wheel() -> None:
+    """Smart Turn v3.2's ONNX file from the pipecat-ai wheel (skip with its install command)."""
+    from nodes.vad.smart_turn import smart_turn_model_path
+    from s2s_flow.errors import MissingDependency
+
+    try:
+        smart_turn_model_path()
+    except MissingDependency as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyLlama:
     """The tiny random Llama (HF dir + GGUF), built once per session (< 1 s)."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)

@@ -277,8 +277,11 @@ class RealtimeSink(Node):
         session.send(events.transcription_delta(session.user_item(msg.turn), text[len(said):]))
 
     def _transcript(self, session: Session, msg: Transcript) -> None:
-        if not msg.final or msg.speculative or msg.turn in session.turn_items:
-            return  # a partial, a speculative one, or the typed message a response.create sent
+        if not msg.final:  # the STT's stable words while the user speaks (stt.stream_ms): deltas
+            self._delta(session, msg)
+            return
+        if msg.speculative or msg.turn in session.turn_items:
+            return  # a speculative one, or the typed message a response.create sent
         said = self._said.pop(msg.turn, "")
         session.transcribed(msg.turn, msg.text, msg.text[len(said):] if msg.text.startswith(said) else "")
 
