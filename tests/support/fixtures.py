@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from s2s_flow.llama_server import find_llama_server
-from tests.support.servers import free_port, running_llama_server, smollm2_gguf_path
+from tests.support.servers import Served, free_port, running_llama_server, running_mlx_server, smollm2_gguf_path
 from tests.support.tiny_llama import TinyLlama, build_tiny_llama
 
 
@@ -46,6 +46,14 @@ def tiny_llama_server(tiny_llama: TinyLlama, llama_server_binary: Path) -> Itera
     """Base URL of a llama-server serving the tiny Llama (chat template via jinja)."""
     with running_llama_server(tiny_llama.gguf_path, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
         yield base_url
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_mlx_server(tiny_llama: TinyLlama) -> Iterator[Served]:
+    """``mlx_lm.server`` serving the tiny Llama's HF directory (the same weights as the GGUF)."""
+    pytest.importorskip("mlx_lm", reason="mlx_lm.server needs the mlx extra: pip install 's2s-flow[mlx]'")
+    with running_mlx_server(tiny_llama.hf_dir) as served:
+        yield served
 
 
 @pytest.fixture(scope="session")
