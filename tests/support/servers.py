@@ -4,6 +4,8 @@ with running_llama_server(gguf_path) as base_url:   # "http://127.0.0.1:PORT"
     httpx.post(f"{base_url}/v1/chat/completions", json=...)
 with running_mlx_server(tiny_llama.hf_dir) as served:   # served.base_url, served.pid, served.log()
     ...
+with running_llama_cpp_python_server(gguf_path) as served:
+    ...
 """
 
 from __future__ import annotations
@@ -147,6 +149,17 @@ def running_mlx_server(model_dir: Path | str, *, extra_args: Sequence[str] = ())
                 "--port", str(port), *extra_args]
 
     with running_server("mlx_lm.server", command, env=python_server_env()) as served:
+        yield served
+
+
+@contextmanager
+def running_llama_cpp_python_server(model_path: Path | str, *, n_ctx: int = 2048) -> Iterator[Served]:
+    """``python -m llama_cpp.server`` (llama-cpp-python; Chat Completions only) serving a GGUF."""
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1",
+                "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", "2"]
+
+    with running_server("llama_cpp.server", command, ready_path="/v1/models", env=python_server_env()) as served:
         yield served
 
 

@@ -1,11 +1,14 @@
-"""llm=chat against a second real server: ``mlx_lm.server`` (mlx-lm on mlx's CPU backend)
-serving the tiny random Llama of the fixtures, checked against llama-server serving the same
-weights as a GGUF.
+"""llm=chat against two more real servers, both serving the tiny random Llama of the fixtures
+and checked against llama-server serving the same weights:
 
-mlx_lm.server (mlx-lm 0.32.2, the newest release) serves ``/v1/chat/completions`` and
-``/v1/completions`` only: it has no Responses API (``POST /v1/responses`` answers 404), so
-llm=responses is tested against llama-server (test_llm_remote_llama_server.py) and here only
-for the error a user meets when pointing it at this server. Nothing here is faked.
+- ``mlx_lm.server`` (mlx-lm on mlx's CPU backend, the model's HF directory);
+- ``python -m llama_cpp.server`` (llama-cpp-python, built by scripts/bootstrap.sh; the GGUF).
+
+Both serve ``/v1/chat/completions`` and ``/v1/completions`` only (mlx-lm 0.32.2 and
+llama-cpp-python 0.3.36, the newest releases): neither has a Responses API (``POST
+/v1/responses`` answers 404), so llm=responses is tested against llama-server
+(test_llm_remote_llama_server.py) and here only for the error a user meets when pointing it at
+one of these. Nothing here is faked.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -32,21 +36,51 @@ GREEDY = {"temperature": 0.0, "max_tokens": N_TOKENS, "system_prompt": SYSTEM}
 # The tiny model never stops by itself: this reply would take minutes unless the stream is closed.
 # No seed: mlx_lm.server then batches requests, and stops one only when its client is gone.
 ENDLESS = {"temperature": 0.0, "max_tokens": 100_000, "system_prompt": SYSTEM}
-# What Python's http.server logs when a reply's client went away while it was being written.
-CLIENT_GONE = re.compile(r"^(BrokenPipeError|ConnectionResetError)\b", re.M)
+
+
+
+@dataclass(frozen=True)
+class Server:
+    fixture: str
+    trims_space: bool  # mlx-lm's streaming detokenizer drops the space that opens a reply (trim_space)
+    client_gone: re.Pattern  # what its log says when a reply's client went away mid-stream
+
+
+SERVERS = {
+    # Python's http.server, on the write after the client closed
+    "mlx_lm.server": Server("tiny_llama_mlx_server", True, re.compile(r"^(BrokenPipeError|ConnectionResetError)\b",
+                                                                          re.M)),
+    # llama_cpp.server checks after each chunk it sends
+    "llama_cpp.server": Server("tiny_llama_cpp_python_server", False, re.compile(r"Disconnected from client")),
+}
+
+
+@pytest.fixture(params=list(SERVERS))
+def kind(request) -> Server:
+    return SERVERS[request.param]
 
 
 @pytest.fixture
-def api(tiny_llama_mlx_server: Served) -> str:
-    return tiny_llama_mlx_server.base_url + "/v1"
+def server(kind: Server, request) -> Served:
+    return request.getfixturevalue(kind.fixture)
+
+
+@pytest.fixture
+def api(server: Served) -> str:
+    return server.base_url + "/v1"
+
+
+def as_served(text: str, kind: Server) -> str:
+    """llama-server's text as this server streams it."""
+    return text.removeprefix(" ") if kind.trims_space else text
 
 
 def generating(pid: int, window_s: float = 1.0) -> bool:
     """Whether the server spent CPU over ``window_s`` as a generating server does.
 
-    Generating, mlx_lm.server keeps a core busy (about a second of CPU a second; a quarter of
-    that on a loaded 2-core machine); idle, it waits on a queue and uses about a millisecond.
-    A tenth of the window lies far from both.
+    Generating, either server keeps a core busy (about a second of CPU a second; a quarter of
+    that on a loaded 2-core machine); idle, it waits on a queue or a socket and uses about a
+    millisecond. A tenth of the window lies far from both.
     """
     import psutil
 
@@ -64,27 +98,26 @@ def stops_generating(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
-def test_a_reply_streams_in_pieces_and_is_the_greedy_text_of_llama_cpp(api, tiny_llama_server, tmp_path):
+def test_a_reply_streams_in_pieces_and_is_the_greedy_text_of_llama_server(api, kind, tiny_llama_server, tmp_path):
     node = llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY)
     deltas = turn(node, USER, 7)
     reference = text_of(turn(llm_node(ChatCompletionsLLM, tiny_llama_server + "/v1", tmp_path, **GREEDY), USER))
     assert len(deltas) > 4 and all(d.turn == 7 for d in deltas)  # streamed: many deltas, not one
     assert deltas[-1].end and deltas[-1].text == "" and sum(d.end for d in deltas) == 1
-    # the same weights and chat template give the same greedy text; mlx-lm's streaming detokenizer
-    # drops the space that opens a reply (by design, trim_space), as in-process llm=mlx does
-    assert len(reference) > N_TOKENS // 2 and text_of(deltas) == reference.removeprefix(" ")
+    # the same weights and chat template give the same greedy text
+    assert len(reference) > N_TOKENS // 2 and text_of(deltas) == as_served(reference, kind)
     assert node.conversation.exchanges[-1].reply == text_of(deltas)
     node.close()
 
 
-def test_stream_false_answers_the_same_as_streaming(api, tmp_path):
+def test_stream_false_answers_the_same_as_streaming(api, kind, tmp_path):
     streamed = text_of(turn(llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY), USER))
     whole = text_of(turn(llm_node(ChatCompletionsLLM, api, tmp_path, stream=False, **GREEDY), USER))
-    assert whole.removeprefix(" ") == streamed and len(streamed) > N_TOKENS // 2
+    assert as_served(whole, kind) == streamed and len(streamed) > N_TOKENS // 2
 
 
-def test_the_second_turn_carries_the_first_and_llama_cpp_answers_that_conversation_alike(
-    api, tiny_llama_server, tmp_path
+def test_the_second_turn_carries_the_first_and_llama_server_answers_that_conversation_alike(
+    api, kind, tiny_llama_server, tmp_path
 ):
     """The second request holds system, user, the first reply as said, user: llama-server, given
     that conversation, answers with the same greedy text; the question alone gets another."""
@@ -95,40 +128,34 @@ def test_the_second_turn_carries_the_first_and_llama_cpp_answers_that_conversati
                     {"role": "assistant", "content": first}, {"role": "user", "content": AGAIN}]
     answer = httpx.post(f"{tiny_llama_server}/v1/chat/completions", timeout=60,
                         json={"messages": conversation, "temperature": 0.0, "max_tokens": N_TOKENS}).json()
-    assert second == answer["choices"][0]["message"]["content"].removeprefix(" ")
+    assert second == as_served(answer["choices"][0]["message"]["content"], kind)
     alone = text_of(turn(llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY), AGAIN))
     assert second != alone, "the first turn changed nothing: it was not sent"
     assert [(e.user, e.reply) for e in node.conversation.exchanges] == [(USER, first), (AGAIN, second)]
     node.close()
 
 
-def test_closing_the_reply_mid_stream_closes_the_connection_and_the_server_stops(
-    api, tiny_llama_mlx_server: Served, tmp_path
-):
-    server = tiny_llama_mlx_server
+def test_closing_the_reply_mid_stream_closes_the_connection_and_the_server_stops(api, kind, server, tmp_path):
     node = llm_node(ChatCompletionsLLM, api, tmp_path, **ENDLESS)
-    gone_before = len(CLIENT_GONE.findall(server.log()))
+    gone_before = len(kind.client_gone.findall(server.log()))
     gen = node.process("text", Transcript(turn=1, text=USER))
     got = [next(gen) for _ in range(3)]
     assert generating(server.pid), "the server is generating the reply"
     gen.close()  # the engine closes a stale turn's generator at its next yield
-    assert stops_generating(server.pid), "mlx_lm.server kept generating for a closed stream"
-    assert len(CLIENT_GONE.findall(server.log())) == gone_before + 1, "the server saw its client go"
+    assert stops_generating(server.pid), "the server kept generating for a closed stream"
+    assert len(kind.client_gone.findall(server.log())) == gone_before + 1, "the server saw its client go"
     assert node.conversation.exchanges[-1].reply == text_of(got)
     node.close()
 
 
-def test_a_barge_in_from_another_thread_ends_the_stream_and_the_next_turn_is_answered(
-    api, tiny_llama_mlx_server: Served, tmp_path
-):
-    server = tiny_llama_mlx_server
+def test_a_barge_in_from_another_thread_ends_the_stream_and_the_next_turn_is_answered(api, server, tmp_path):
     node = llm_node(ChatCompletionsLLM, api, tmp_path, **ENDLESS)
     gen = node.process("text", Transcript(turn=1, text=USER))
     next(gen)
     threading.Timer(0.3, node.on_interrupt, args=(2,)).start()
     rest = list(gen)  # ends by itself once interrupted
-    assert rest[-1].end and len(rest) < 10_000  # cut long before the 100,000 tokens (minutes) end
-    assert stops_generating(server.pid), "mlx_lm.server kept generating for an interrupted stream"
+    assert rest[-1].end and len(rest) < 10_000  # cut long before the reply (tens of thousands of tokens) ends
+    assert stops_generating(server.pid), "the server kept generating for an interrupted stream"
     node.max_tokens = N_TOKENS
     second = turn(node, AGAIN, 2)
     assert second[-1].end and len(text_of(second)) > N_TOKENS // 2
