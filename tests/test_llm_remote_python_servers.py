@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -44,14 +44,16 @@ class Server:
     fixture: str
     trims_space: bool  # mlx-lm's streaming detokenizer drops the space that opens a reply (trim_space)
     client_gone: re.Pattern  # what its log says when a reply's client went away mid-stream
+    greedy: dict = field(default_factory=dict)  # extra_body for llama-server's plain greedy decoding
 
 
 SERVERS = {
     # Python's http.server, on the write after the client closed
     "mlx_lm.server": Server("tiny_llama_mlx_server", True, re.compile(r"^(BrokenPipeError|ConnectionResetError)\b",
                                                                           re.M)),
-    # llama_cpp.server checks after each chunk it sends
-    "llama_cpp.server": Server("tiny_llama_cpp_python_server", False, re.compile(r"Disconnected from client")),
+    # llama_cpp.server checks after each chunk it sends; it penalises repeats by default (1.1), llama-server not
+    "llama_cpp.server": Server("tiny_llama_cpp_python_server", False, re.compile(r"Disconnected from client"),
+                               {"repeat_penalty": 1.0}),
 }
 
 
@@ -68,6 +70,11 @@ def server(kind: Server, request) -> Served:
 @pytest.fixture
 def api(server: Served) -> str:
     return server.base_url + "/v1"
+
+
+def chat(kind: Server, api: str, tmp_path, **options) -> ChatCompletionsLLM:
+    """llm=chat against the server under test, decoding as llama-server does."""
+    return llm_node(ChatCompletionsLLM, api, tmp_path, extra_body=kind.greedy, **options)
 
 
 def as_served(text: str, kind: Server) -> str:
@@ -99,7 +106,7 @@ def stops_generating(pid: int, within_s: float = 10.0) -> bool:
 
 
 def test_a_reply_streams_in_pieces_and_is_the_greedy_text_of_llama_server(api, kind, tiny_llama_server, tmp_path):
-    node = llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY)
+    node = chat(kind, api, tmp_path, **GREEDY)
     deltas = turn(node, USER, 7)
     reference = text_of(turn(llm_node(ChatCompletionsLLM, tiny_llama_server + "/v1", tmp_path, **GREEDY), USER))
     assert len(deltas) > 4 and all(d.turn == 7 for d in deltas)  # streamed: many deltas, not one
@@ -111,8 +118,8 @@ def test_a_reply_streams_in_pieces_and_is_the_greedy_text_of_llama_server(api, k
 
 
 def test_stream_false_answers_the_same_as_streaming(api, kind, tmp_path):
-    streamed = text_of(turn(llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY), USER))
-    whole = text_of(turn(llm_node(ChatCompletionsLLM, api, tmp_path, stream=False, **GREEDY), USER))
+    streamed = text_of(turn(chat(kind, api, tmp_path, **GREEDY), USER))
+    whole = text_of(turn(chat(kind, api, tmp_path, stream=False, **GREEDY), USER))
     assert as_served(whole, kind) == streamed and len(streamed) > N_TOKENS // 2
 
 
@@ -121,7 +128,7 @@ def test_the_second_turn_carries_the_first_and_llama_server_answers_that_convers
 ):
     """The second request holds system, user, the first reply as said, user: llama-server, given
     that conversation, answers with the same greedy text; the question alone gets another."""
-    node = llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY)
+    node = chat(kind, api, tmp_path, **GREEDY)
     first = text_of(turn(node, USER, 1))
     second = text_of(turn(node, AGAIN, 2))
     conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
@@ -129,14 +136,14 @@ def test_the_second_turn_carries_the_first_and_llama_server_answers_that_convers
     answer = httpx.post(f"{tiny_llama_server}/v1/chat/completions", timeout=60,
                         json={"messages": conversation, "temperature": 0.0, "max_tokens": N_TOKENS}).json()
     assert second == as_served(answer["choices"][0]["message"]["content"], kind)
-    alone = text_of(turn(llm_node(ChatCompletionsLLM, api, tmp_path, **GREEDY), AGAIN))
+    alone = text_of(turn(chat(kind, api, tmp_path, **GREEDY), AGAIN))
     assert second != alone, "the first turn changed nothing: it was not sent"
     assert [(e.user, e.reply) for e in node.conversation.exchanges] == [(USER, first), (AGAIN, second)]
     node.close()
 
 
 def test_closing_the_reply_mid_stream_closes_the_connection_and_the_server_stops(api, kind, server, tmp_path):
-    node = llm_node(ChatCompletionsLLM, api, tmp_path, **ENDLESS)
+    node = chat(kind, api, tmp_path, **ENDLESS)
     gone_before = len(kind.client_gone.findall(server.log()))
     gen = node.process("text", Transcript(turn=1, text=USER))
     got = [next(gen) for _ in range(3)]
@@ -148,8 +155,10 @@ def test_closing_the_reply_mid_stream_closes_the_connection_and_the_server_stops
     node.close()
 
 
-def test_a_barge_in_from_another_thread_ends_the_stream_and_the_next_turn_is_answered(api, server, tmp_path):
-    node = llm_node(ChatCompletionsLLM, api, tmp_path, **ENDLESS)
+def test_a_barge_in_from_another_thread_ends_the_stream_and_the_next_turn_is_answered(
+    api, kind, server, tmp_path
+):
+    node = chat(kind, api, tmp_path, **ENDLESS)
     gen = node.process("text", Transcript(turn=1, text=USER))
     next(gen)
     threading.Timer(0.3, node.on_interrupt, args=(2,)).start()
