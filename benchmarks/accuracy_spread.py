@@ -12,7 +12,9 @@ every version is heard by Whisper tiny.en under each kernel set, each in its own
 - native-float32: the same model in float32 (other kernels, other rounding);
 - avx2-int8 / avx2-float32: oneDNN and CTranslate2 held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2,
   CT2_FORCE_CPU_ISA=AVX2), the kernels of a CPU without AVX-512;
-- mkl-int8: Intel MKL's int8 kernels (CT2_USE_MKL=1), which CTranslate2 uses on Intel CPUs.
+- mkl-int8: Intel MKL's int8 kernels (CT2_USE_MKL=1), which CTranslate2 uses on Intel CPUs;
+- ort-unoptimized: onnxruntime without graph optimizations (other, unfused kernels) for the
+  VAD bounds, which no Whisper kernel changes (scored here and in the first kernel set only).
 
 Measured: float32 here reads the long sentence of test_tts_pieces.py word for word as an AMD EPYC
 without AVX-512 read it in int8 ("Australia's Canberra ... accept that other is").
@@ -48,6 +50,9 @@ KERNELS = {
     "avx2-int8": (AVX2, "int8"),
     "avx2-float32": (AVX2, "float32"),
     "mkl-int8": ({"CT2_USE_MKL": "1"}, "int8"),
+    # onnxruntime (Silero, Piper) has no switch for its CPU kernels; without its graph
+    # optimizations it runs other (unfused) kernels, rounding otherwise: the VAD's stand-in
+    "ort-unoptimized": ({"S2S_SPREAD_ORT_UNOPTIMIZED": "1"}, "int8"),
 }
 NOISE = {"noise_scale": 0.667, "noise_w_scale": 0.8}  # Piper's defaults
 QUIET = {"noise_scale": 0.0, "noise_w_scale": 0.0}  # the tests' speech
@@ -132,9 +137,8 @@ def _pieces_audio(v):
 
 def _pieces_score(audio, kit):
     from nodes.tts._base import in_pieces
-    from tests.test_tts_pieces import LONG
-
     from tests.support.tts_checks import pieces_heard
+    from tests.test_tts_pieces import LONG
 
     heard = kit.hear(audio["pcm"])
     return {"wer": kit.wer(LONG, heard), "worst piece heard": min(pieces_heard(in_pieces(LONG, 10), heard)),
@@ -248,6 +252,61 @@ def _keywords_score(audio, kit):
     return {"keywords heard": found / total, "_heard": "; ".join(missed)}
 
 
+def _vad_audio(v):
+    """The speech of test_vad_silero.py (16 and 8 kHz) and of test_metrics_speech.py, with each
+    utterance's true bounds (Piper's own silence trimmed, as the tests' truth is)."""
+    from tests.test_metrics_speech import UTTERANCES
+    from tests.test_vad_silero import TEXTS
+
+    out = {}
+    for name, texts, rate, gaps in (("silero16k", TEXTS, 16000, (1.5, 0.5, 1.0)),
+                                    ("silero8k", TEXTS, 8000, (1.5, 0.5, 1.0)),
+                                    ("metrics", UTTERANCES, 16000, (1.6, 0.6, 0.3))):
+        pause_s, lead_s, tail_s = gaps
+        parts, truth, pos = [np.zeros(int(lead_s * rate), np.float32)], [], int(lead_s * rate)
+        for i, text in enumerate(texts):
+            pcm = speak(text, rate, v)
+            truth.append((pos / rate, (pos + len(pcm)) / rate))
+            gap = np.zeros(int((pause_s if i < len(texts) - 1 else tail_s) * rate), np.float32)
+            parts += [pcm, gap]
+            pos += len(pcm) + len(gap)
+        tail = np.zeros(rate, np.float32) if name == "metrics" else np.zeros(0, np.float32)  # io's tail silence
+        out[name] = np.concatenate([*parts, tail])
+        out[name + "_truth"] = np.array(truth)
+    return out
+
+
+def _vad_score(audio, kit):
+    """Silero's errors against the truth, fed as the tests feed it (20 ms chunks, stream time)."""
+    from nodes.vad.silero import SileroVAD
+    from s2s_flow.messages import AudioChunk, Speech
+    from s2s_flow.node import Context
+
+    worst = {"start": 0.0, "end": 0.0, "speech_end_t": 0.0, "metrics speech_end": 0.0}
+    for name, rate in (("silero16k", 16000), ("silero8k", 8000), ("metrics", 16000)):
+        vad = SileroVAD(sample_rate=rate)
+        vad.ctx = Context("vad", Path(tempfile.gettempdir()))
+        vad.setup()
+        pcm, step, out = audio[name], rate // 50, []
+        for i in range(0, len(pcm), step):
+            piece = pcm[i:i + step]
+            out += [m for m in vad.process("audio", AudioChunk(pcm=piece, rate=rate, start=i / rate,
+                                                               t=(i + len(piece)) / rate)) if isinstance(m, Speech)]
+        if name != "metrics":
+            out += [m for m in vad.finish() or () if isinstance(m, Speech)]
+        truth = audio[name + "_truth"]
+        if len(out) != len(truth):
+            return {k: 9.0 for k in worst} | {"_heard": f"{name}: {len(out)} turns for {len(truth)}"}
+        for speech, (start, end) in zip(out, truth, strict=True):
+            if name == "metrics":
+                worst["metrics speech_end"] = max(worst["metrics speech_end"], abs(speech.speech_end_t - end))
+                continue
+            worst["start"] = max(worst["start"], abs(speech.start - start))
+            worst["end"] = max(worst["end"], abs(speech.end - end))
+            worst["speech_end_t"] = max(worst["speech_end_t"], abs(speech.speech_end_t - end))
+    return worst | {"_heard": ""}
+
+
 def _speech(pcm):
     from s2s_flow.messages import Speech
 
@@ -269,7 +328,12 @@ CASES = {
                        [("wer", "<=", SINGLES[k][1])]) for k in SINGLES},
     "keywords": ("test_realtime*.py, test_recipes.py, test_live_audio.py: a word in the transcript",
                  _keywords_audio, _keywords_score, [("keywords heard", ">=", 1.0)]),
+    # no Whisper: onnxruntime's kernels, which these kernel sets do not change (run once)
+    "vad": ("test_vad_silero.py (START/END/SPEECH_END_T_TOL_S), test_metrics_speech.py (one 32 ms window)",
+            _vad_audio, _vad_score, [("start", "<=", 0.1), ("end", "<=", 0.15), ("speech_end_t", "<=", 0.1),
+                                     ("metrics speech_end", "<=", 0.032)]),
 }
+ONCE = {"vad"}  # cases that no kernel set changes: scored by the first worker only
 
 
 # -- the worker: one kernel set, every case and version -------------------------------------------
@@ -320,11 +384,25 @@ class Kit:
         return words_recovered(reference, hypothesis)
 
 
-def worker(folder: Path, compute_type: str) -> None:
+def worker(folder: Path, compute_type: str, first: bool) -> None:
+    if os.environ.get("S2S_SPREAD_ORT_UNOPTIMIZED"):
+        import onnxruntime as ort
+
+        optimized = ort.InferenceSession
+
+        def unoptimized(path, sess_options=None, **kw):
+            sess_options = sess_options or ort.SessionOptions()
+            sess_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            return optimized(path, sess_options=sess_options, **kw)
+
+        ort.InferenceSession = unoptimized
+        first = True  # the VAD cases are what this kernel set is for
     kit = Kit(compute_type)
     results = {}
     for path in sorted(folder.glob("*.npz")):
         case, version = path.stem.split("@", 1)
+        if case in ONCE and not first:
+            continue
         with np.load(path) as data:
             results[path.stem] = CASES[case][2](dict(data), kit)
     print(json.dumps(results))
@@ -340,9 +418,10 @@ def main() -> None:
     parser.add_argument("--show", action="store_true", help="print what was heard in the worst version")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--compute-type", help=argparse.SUPPRESS)
+    parser.add_argument("--first", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(Path(args.worker), args.compute_type)
+        return worker(Path(args.worker), args.compute_type, args.first)
 
     cases = [c.strip() for c in args.only.split(",") if c.strip()] or list(CASES)
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -355,9 +434,10 @@ def main() -> None:
                 made = CASES[case][1]({**version, "_name": name} if case == "espeak" else version)
                 np.savez(folder / f"{case}@{name}.npz", **made)
         scores: dict[str, dict[str, dict]] = {}
-        for kernel in kernels:
+        for n, kernel in enumerate(kernels):
             env, compute_type = KERNELS[kernel]
-            out = subprocess.run([sys.executable, __file__, "--worker", tmp, "--compute-type", compute_type],
+            out = subprocess.run([sys.executable, __file__, "--worker", tmp, "--compute-type", compute_type,
+                                  *(["--first"] if n == 0 else [])],
                                  env={**os.environ, **env}, capture_output=True, text=True, check=True)
             scores[kernel] = json.loads(out.stdout.strip().splitlines()[-1])
     for case in cases:
