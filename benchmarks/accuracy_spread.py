@@ -252,6 +252,20 @@ def _keywords_score(audio, kit):
     return {"keywords heard": found / total, "_heard": "; ".join(missed)}
 
 
+def _asked_audio(v):
+    from tests.test_stt_openai import ASKED
+
+    return {str(i): speak(q, 16000, v) for i, q in enumerate(ASKED)}
+
+
+def _asked_score(audio, kit):
+    """faster-whisper-server's tiny.en (its default beam of 5) on test_stt_openai.py's questions."""
+    from tests.test_stt_openai import ASKED
+
+    heard = [kit.hear(audio[str(i)]) for i in range(len(ASKED))]
+    return {"errors": sum(word_errors(q, h)[0] for q, h in zip(ASKED, heard, strict=True)), "_heard": " | ".join(heard)}
+
+
 def _vad_audio(v):
     """The speech of test_vad_silero.py (16 and 8 kHz) and of test_metrics_speech.py, with each
     utterance's true bounds (Piper's own silence trimmed, as the tests' truth is)."""
@@ -328,6 +342,8 @@ CASES = {
                        [("wer", "<=", SINGLES[k][1])]) for k in SINGLES},
     "keywords": ("test_realtime*.py, test_recipes.py, test_live_audio.py: a word in the transcript",
                  _keywords_audio, _keywords_score, [("keywords heard", ">=", 1.0)]),
+    "openai-stt": ("test_stt_openai.py::test_a_real_openai_compatible_server_transcribes_utterances",
+                   _asked_audio, _asked_score, [("errors", "<=", 1)]),
     # no Whisper: onnxruntime's kernels, which these kernel sets do not change (run once)
     "vad": ("test_vad_silero.py (START/END/SPEECH_END_T_TOL_S), test_metrics_speech.py (one 32 ms window)",
             _vad_audio, _vad_score, [("start", "<=", 0.1), ("end", "<=", 0.15), ("speech_end_t", "<=", 0.1),
