@@ -456,6 +456,7 @@ def main() -> None:
                                   *(["--first"] if n == 0 else [])],
                                  env={**os.environ, **env}, capture_output=True, text=True, check=True)
             scores[kernel] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  heard with {kernel} ({n + 1}/{len(kernels)})", file=sys.stderr, flush=True)
     for case in cases:
         test, _, _, bounds = CASES[case]
         print(f"\n{case}: {test}")
