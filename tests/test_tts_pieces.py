@@ -77,10 +77,11 @@ def test_piper_speaks_a_long_sentence_in_pieces_and_it_is_heard_whole(tmp_path):
     assert abs(pieces - whole) < 0.15 * whole, (whole, pieces)  # a short pause at most where a piece ends
     heard = transcribe(audio[10], 16000)
     # Every piece is heard: most of its own words (those in no other piece) are in the transcript,
-    # where a lost piece scores 0. Measured (benchmarks/accuracy_spread.py --only pieces): 75-100 %
-    # of each piece's own words, and 2-4 errors in the 30 words (0.067-0.133) over Piper's noise,
-    # length_scale 0.9-1.1 and Whisper's int8 / float32 kernels with and without AVX-512 (an
-    # AMD EPYC without AVX-512 heard "Australia's Canberra ... accept that other is" in int8:
-    # 0.133, which failed the old bound of 0.1). A lost piece costs 6-9 words (0.2-0.3).
+    # where a lost piece scores 0. Measured (benchmarks/accuracy_spread.py --only pieces, AMD EPYC
+    # with AVX-512): 71-100 % of each piece's own words; 2-4 errors in the 30 words (0.067-0.133)
+    # on this audio under Whisper's int8 / float32 kernels with and without AVX-512 and MKL's,
+    # up to 6 (0.2) with Piper's noise on or length_scale 0.9-1.1. An AMD EPYC without AVX-512
+    # heard "Australia's Canberra ... accept that other is" in int8 (0.133: the old bound of 0.1
+    # failed there). A lost piece costs 6-9 words and its own words all: the first check fails.
     assert min(pieces_heard(in_pieces(LONG, 10), heard)) >= 0.5, heard
-    assert word_error_rate(LONG, heard) <= 0.2, heard
+    assert word_error_rate(LONG, heard) <= 0.25, heard
