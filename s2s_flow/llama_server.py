@@ -7,6 +7,7 @@ version and build options. Standard library only, so importing this module costs
 
     s2s-build-llama-server                # build once (a few minutes on 2 cores)
     s2s-build-llama-server --print-path   # where the binary is, or exit 1
+    s2s-build-llama-server --python-wheel # llama-cpp-python's wheel (python -m llama_cpp.server), built once
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ CMAKE_ARGS = (
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+
+# llama-cpp-python itself, for `python -m llama_cpp.server`: its wheel, built once from the same
+# sdist and cached beside the binary. Portable like the binary (no -march=native); without the
+# multimodal library (mtmd, loaded only by image chat handlers), tools, tests and examples.
+WHEEL_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF",
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_OPENSSL=OFF",
 )
 
 _MISSING_TOOLCHAIN = (
@@ -115,6 +129,54 @@ def build(
 
     make_once(install_dir(), make, marker="bin/llama-server", force=force)
     return target
+
+
+def wheel_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Beside the binary (a cache CI keeps), one directory per version and build options."""
+    options = hashlib.sha1(" ".join(WHEEL_CMAKE_ARGS).encode()).hexdigest()[:8]
+    return cache_dir() / "llama-server" / f"python-{version}-{options}"
+
+
+def cached_wheel() -> Path | None:
+    return next(iter(sorted(wheel_dir().glob("llama_cpp_python-*.whl"))), None)
+
+
+def build_wheel(force: bool = False, *, jobs: int | None = None, verbose: bool = False, log=print) -> Path:
+    """Build the llama-cpp-python wheel into the cache and return its path; at once if cached.
+
+    Install it with ``pip install 'llama_cpp_python[server] @ file://PATH'``.
+    """
+    wheel = cached_wheel()
+    if wheel is not None and not force:
+        return wheel
+    _check_toolchain()
+    jobs = jobs or os.cpu_count() or 2
+
+    def make(staging: Path) -> None:
+        started = time.monotonic()
+        sdist = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
+               "--disable-pip-version-check", "-w", str(staging), sdist]
+        env = {**os.environ, "CMAKE_ARGS": " ".join(WHEEL_CMAKE_ARGS), "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
+        log(f"building the {sdist} wheel with {jobs} jobs (minutes): {' '.join(cmd)}")
+        with tempfile.TemporaryFile(mode="w+") as out:
+            proc = subprocess.run(cmd, env=env, stdout=None if verbose else out,
+                                  stderr=None if verbose else subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if proc.returncode != 0:
+                out.seek(0)
+                tail = "" if verbose else "\n".join(out.read().splitlines()[-40:])
+                raise BuildError(f"building the {sdist} wheel failed (exit {proc.returncode}):\n{tail}")
+        info = {"llama_cpp_python_version": LLAMA_CPP_PYTHON_VERSION, "cmake_args": list(WHEEL_CMAKE_ARGS),
+                "jobs": jobs, "build_seconds": round(time.monotonic() - started, 1),
+                "built_at": datetime.now(UTC).isoformat(timespec="seconds"), "platform": platform.platform()}
+        (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+        log(f"built in {info['build_seconds']:.0f} s")
+
+    make_once(wheel_dir(), make, marker="build-info.json", force=force)
+    wheel = cached_wheel()
+    if wheel is None:
+        raise BuildError(f"the llama-cpp-python build finished but left no wheel in {wheel_dir()}")
+    return wheel
 
 
 def _check_toolchain() -> None:
@@ -238,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the llama-server that would be used and exit (exit 1 if there is none); builds nothing",
     )
+    parser.add_argument(
+        "--python-wheel",
+        action="store_true",
+        help="build (once) llama-cpp-python's wheel, for `python -m llama_cpp.server`, and print its path",
+    )
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--verbose", "-v", action="store_true", help="show the compiler output instead of logging it")
     args = parser.parse_args(argv)
@@ -248,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
             print("no llama-server: run `s2s-build-llama-server`", file=sys.stderr)
             return 1
         print(found)
+        return 0
+
+    if args.python_wheel:
+        try:
+            wheel = build_wheel(force=args.force, jobs=args.jobs, verbose=args.verbose,
+                                log=lambda msg: print(msg, file=sys.stderr))
+        except BuildError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(wheel)  # the only line on stdout: scripts/bootstrap.sh installs it
         return 0
 
     if cached_binary().is_file() and not args.force:

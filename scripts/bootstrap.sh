@@ -49,4 +49,15 @@ fi
 # 3. llama-server, built from the llama.cpp sources in the llama-cpp-python sdist, cached
 #    per version and build options in ~/.cache/s2s-flow (a few minutes once, then instant).
 "$VENV/bin/s2s-build-llama-server"
+
+# 4. llama-cpp-python's own server (`python -m llama_cpp.server`), one of the real servers llm=chat
+#    is tested against: its wheel is built from the same sdist once (minutes on 2 cores), cached
+#    beside llama-server, and installed with its [server] extra when this venv lacks that build.
+wheel=$("$VENV/bin/s2s-build-llama-server" --python-wheel)
+wheel_stamp="$VENV/.s2s-$(basename "$(dirname "$wheel")")"
+if [ ! -f "$wheel_stamp" ] || ! "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("llama_cpp"))'; then
+  say "installing llama-cpp-python's server from $wheel"
+  "${PIP[@]}" install "llama_cpp_python[server] @ file://$wheel"
+  rm -f "$VENV"/.s2s-python-*; touch "$wheel_stamp"
+fi
 say "ready: $VENV/bin/s2s-run"

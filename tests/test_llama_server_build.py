@@ -84,6 +84,20 @@ def test_a_build_is_installed_whole_where_it_is_then_found(monkeypatch, tmp_path
         install_dir().name]  # the old build swapped out, no staging dir left
 
 
+def test_the_llama_cpp_python_wheel_is_cached_beside_the_binary_and_printed_alone(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("S2S_FLOW_CACHE", str(tmp_path))
+    assert llama_server.wheel_dir().parent == install_dir().parent  # the directory .ci/run keeps
+    assert llama_server.wheel_dir() == llama_server.wheel_dir(llama_server.LLAMA_CPP_PYTHON_VERSION)
+    assert llama_server.wheel_dir("0.3.1") != llama_server.wheel_dir() != install_dir()
+    assert llama_server.cached_wheel() is None
+    wheel = llama_server.wheel_dir() / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    wheel.parent.mkdir(parents=True)
+    wheel.write_bytes(b"")
+    monkeypatch.setattr(llama_server, "_check_toolchain", lambda: pytest.fail("built again"))
+    assert llama_server.main(["--python-wheel"]) == 0
+    assert capsys.readouterr().out == f"{wheel}\n"  # the one line scripts/bootstrap.sh installs
+
+
 def test_print_path_exits_1_when_there_is_no_server(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("S2S_LLAMA_SERVER", raising=False)
     monkeypatch.setenv("S2S_FLOW_CACHE", str(tmp_path))

@@ -70,8 +70,11 @@ def test_a_ten_second_window_transcribes_the_twenty_requests_as_well(windowed, t
     pcm, _ = speech_with_pauses(SENTENCES, 16000, pause_s=1.2)
     transcripts = [t for u in vad_utterances(pcm, 16000, tmp_path) for t in windowed.process("audio", u)]
     score = wer(SENTENCES, [t.text for t in transcripts])
-    # measured: 5 errors in 190 words (2.6 %; 30 s greedy: 4), each request decoded in a 10 s window
-    assert score <= 0.05, (score, [t.text for t in transcripts])
+    # measured: 5 errors in 190 words (2.6 %; 30 s greedy: 4), each request decoded in a 10 s window;
+    # over Piper's noise, length_scale 0.9-1.1 and Whisper's kernels (int8 / float32, AVX2 / AVX-512,
+    # MKL: benchmarks/accuracy_spread.py --only twenty-10s, AMD EPYC) 2-12 errors (1.1-6.3 %, the
+    # worst MKL's int8 on one noise draw). The bound allows 15, 3 more than the worst measured.
+    assert score <= 0.08, (score, [t.text for t in transcripts])
 
 
 def test_a_windowed_decode_that_would_loop_is_decoded_in_thirty_seconds(windowed, monkeypatch):

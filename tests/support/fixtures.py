@@ -8,6 +8,7 @@ with the command that provides it; nothing is faked.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from s2s_flow.llama_server import find_llama_server
-from tests.support.servers import free_port, running_llama_server, smollm2_gguf_path
+from tests.support.servers import (
+    Served,
+    free_port,
+    running_llama_cpp_python_server,
+    running_llama_server,
+    running_mlx_server,
+    smollm2_gguf_path,
+)
 from tests.support.tiny_llama import TinyLlama, build_tiny_llama
 
 
@@ -58,6 +66,25 @@ def tiny_llama_server(tiny_llama: TinyLlama, llama_server_binary: Path) -> Itera
     """Base URL of a llama-server serving the tiny Llama (chat template via jinja)."""
     with running_llama_server(tiny_llama.gguf_path, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
         yield base_url
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_mlx_server(tiny_llama: TinyLlama) -> Iterator[Served]:
+    """``mlx_lm.server`` serving the tiny Llama's HF directory (the same weights as the GGUF)."""
+    pytest.importorskip("mlx_lm", reason="mlx_lm.server needs the mlx extra: pip install 's2s-flow[mlx]'")
+    with running_mlx_server(tiny_llama.hf_dir) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_cpp_python_server(tiny_llama: TinyLlama) -> Iterator[Served]:
+    """``python -m llama_cpp.server`` serving the tiny Llama's GGUF, with room for a reply of
+    tens of thousands of tokens (the model never stops by itself)."""
+    if importlib.util.find_spec("llama_cpp") is None:  # found, not imported: the server loads it
+        pytest.skip("no llama-cpp-python: run scripts/bootstrap.sh (it builds its wheel once, "
+                    "`s2s-build-llama-server --python-wheel`, and installs it with the [server] extra)")
+    with running_llama_cpp_python_server(tiny_llama.gguf_path, n_ctx=65536) as served:
+        yield served
 
 
 @pytest.fixture(scope="session")

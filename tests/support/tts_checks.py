@@ -19,7 +19,7 @@ from tests.support.wer import normalize, word_errors
 
 __all__ = [
     "TWO_SENTENCES", "FIRST", "SECOND", "Reply", "feed_reply", "transcribe", "word_error_rate",
-    "words_recovered", "words",
+    "words_recovered", "words", "pieces_heard",
 ]
 
 #: A reply as an LLM streams it: pieces split mid-word, two sentences, then the end marker.
@@ -79,6 +79,18 @@ def words_recovered(reference: str, hypothesis: str) -> float:
     """Share of the reference's words that appear in the hypothesis."""
     ref, hyp = normalize(reference), set(normalize(hypothesis))
     return sum(w in hyp for w in ref) / max(1, len(ref))
+
+
+def pieces_heard(pieces: list[str], hypothesis: str) -> list[float]:
+    """Per piece of a text, the share of its own words (those in no other piece) in the hypothesis:
+    0 for a piece that was never spoken, whatever words the pieces share."""
+    heard = set(normalize(hypothesis))
+    shares = []
+    for i, piece in enumerate(pieces):
+        elsewhere = {w for j, other in enumerate(pieces) if j != i for w in normalize(other)}
+        own = [w for w in normalize(piece) if w not in elsewhere]
+        shares.append(sum(w in heard for w in own) / max(1, len(own)))
+    return shares
 
 
 @lru_cache(maxsize=1)
