@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from nodes._remote import RemoteRefused
+from nodes._http import RemoteRefused
 from nodes.llm.chat import ChatCompletionsLLM
 from nodes.llm.responses import ResponsesLLM
 from s2s_flow.messages import Transcript
