@@ -25,7 +25,10 @@ def test_the_default_chain_is_wired_by_port_types_with_taps_into_the_sink():
     g = validate(build_graph(cfg, choices))
     assert edges(g) == {"source.audio -> vad.audio", "vad.speech -> stt.audio", "stt.text -> llm.text",
                         "llm.text -> tts.text", "tts.audio -> sink.audio", "stt.text -> sink.user",
-                        "llm.text -> sink.agent"}
+                        "llm.text -> sink.agent",
+                        # STT's optional input for the utterance while it grows: wired by type, it
+                        # carries nothing unless stt.stream_ms > 0
+                        "vad.growing -> stt.growing"}
     assert g.nodes["llm"].label == "llm=chat"
 
 
