@@ -77,6 +77,14 @@ class SessionHooks:
         """What the LLM sends of ``conversation`` in its next request: itself, or a view of it."""
         return conversation
 
+    def survives(self, turn: int, error: BaseException) -> bool:
+        """Whether a reply that failed ends only its turn (a server's session: the response
+        fails, the session goes on) rather than the run (False: the node fails)."""
+        return False
+
+    def usage(self, turn: int, usage: dict[str, Any]) -> None:
+        """A request's token counts, as the model's server reported them (one per request)."""
+
 
 # -- what a session may change in its own nodes ----------------------------------------------
 # A server's session (io=realtime) changes settings of its own graph's nodes mid-conversation:

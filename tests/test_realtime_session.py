@@ -315,7 +315,8 @@ def test_a_sessions_voice_goes_to_its_own_tts_node_when_the_backend_can_switch(t
     spoken.clear()
     assert len(reply(nodes[1])) and len(reply(nodes[0]))
     assert spoken == ["de", "en-us"], "the session's node speaks with its voice, another session's with its own"
-    assert session.nodes.use_voice("alloy") == "de", "an OpenAI voice name keeps the session's voice"
+    assert session.nodes.use_voice("alloy") == "alloy", "an OpenAI voice name is echoed as the client sent it"
+    assert nodes[1].voice == "de", "and keeps the session's voice"
     with pytest.raises(ProtocolError, match="'no-such-voice' is not one"):
         session.nodes.use_voice("no-such-voice")
     assert nodes[1].voice == "de"

@@ -102,10 +102,15 @@ class LLMBase(Node, SessionLLM):
         self._answered = (msg.turn, port)
         truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
         exchange = self.conversation.add_user(user, msg.turn, speculative=speculative)
-        yield from reply_deltas(
-            self._pieces(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
-            log=self.ctx.log, interrupted=lambda: self.stale(msg.turn),
-        )
+        try:
+            yield from reply_deltas(
+                self._pieces(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
+                log=self.ctx.log, interrupted=lambda: self.stale(msg.turn),
+            )
+        except Exception as exc:  # the failed reply was sent on (TextDelta.error): the session may go on
+            if not self.ctx.session.survives(msg.turn, exc):
+                raise
+            self.ctx.log.error("turn %d: the reply failed, the session goes on: %s", msg.turn, exc)
 
     def stale(self, turn: int) -> bool:
         """Whether a barge-in has made ``turn``'s reply unwanted."""

@@ -111,6 +111,11 @@ class SessionConfig:
         the voice asked for and names the one it speaks with; each refuses with a ProtocolError."""
         if not isinstance(session, dict):
             raise ProtocolError("invalid_value", "session.update needs a 'session' object", param="session")
+        if session.get("type", "realtime") != "realtime":
+            raise ProtocolError("unsupported_value", f"session.type={session.get('type')!r}: this server serves "
+                                "realtime sessions only (type 'realtime'); for transcripts alone, keep a realtime "
+                                "session and read conversation.item.input_audio_transcription.* (with "
+                                "turn_detection.create_response=false no response is made)", param="session.type")
         new = copy.deepcopy(self)
         if "instructions" in session:
             if session["instructions"] is not None and not isinstance(session["instructions"], str):
@@ -261,9 +266,10 @@ def transcription_delta(item_id: str, delta: str) -> dict[str, Any]:
             "delta": delta}
 
 
-def transcription_completed(item_id: str, transcript: str) -> dict[str, Any]:
+def transcription_completed(item_id: str, transcript: str, seconds: float) -> dict[str, Any]:
+    """``usage``: the GA schema's duration form (seconds of audio transcribed)."""
     return {"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
-            "content_index": 0, "transcript": transcript, "usage": None}
+            "content_index": 0, "transcript": transcript, "usage": {"type": "duration", "seconds": round(seconds, 3)}}
 
 
 # the conversation's items
@@ -305,6 +311,10 @@ def item_done(item: dict[str, Any], previous_item_id: str | None = None) -> dict
     return {"type": "conversation.item.done", "previous_item_id": previous_item_id, "item": item}
 
 
+def item_retrieved(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "conversation.item.retrieved", "item": item}
+
+
 def item_deleted(item_id: str) -> dict[str, Any]:
     return {"type": "conversation.item.deleted", "item_id": item_id}
 
@@ -317,11 +327,24 @@ def item_truncated(item_id: str, audio_end_ms: int) -> dict[str, Any]:
 # responses
 
 def response(response_id: str, status: str, modalities: list[str], output: list[dict[str, Any]],
-             details: dict[str, Any] | None = None) -> dict[str, Any]:
+             details: dict[str, Any] | None = None, *, conversation_id: str | None = None,
+             metadata: dict[str, Any] | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``realtime.response`` object of ``response.created`` and ``response.done``."""
     return {"object": "realtime.response", "id": response_id, "status": status, "status_details": details,
-            "output": output, "conversation_id": "conv", "output_modalities": modalities, "usage": None,
-            "metadata": None}
+            "output": output, "conversation_id": conversation_id, "output_modalities": modalities,
+            "usage": usage, "metadata": metadata}
+
+
+def response_usage(usage: Any) -> dict[str, Any] | None:
+    """``response.done``'s usage from a Chat Completions ``usage`` (prompt and completion tokens)."""
+    if not isinstance(usage, dict):
+        return None
+    given, made = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"total_tokens": given + made, "input_tokens": given, "output_tokens": made,
+            "input_token_details": {"text_tokens": given, "audio_tokens": 0, "image_tokens": 0,
+                                    "cached_tokens": cached},
+            "output_token_details": {"text_tokens": made, "audio_tokens": 0}}
 
 
 def response_created(resource: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class Session(SessionHooks):
 
     def __init__(self, emit: Callable[[str], None], config: SessionConfig, observe: Any = None) -> None:
         self.id = new_id("sess")
+        self.conversation_id = new_id("conv")
         self._emit, self.config = emit, config
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=_INBOX)
         self.lock = threading.RLock()  # also held while a response's events are sent: they keep their order
@@ -57,6 +58,7 @@ class Session(SessionHooks):
         self.by_item: dict[str, Response] = {}
         self.user_items: dict[int, str] = {}
         self.items: list[str] = []  # the conversation's items in order (previous_item_id)
+        self.item_data: dict[str, dict[str, Any]] = {}  # each item as last sent (conversation.item.retrieve)
         self.playback: Playback | None = None
         self.observe = observe  # metrics callback: (name, value)
         self.closed = False
@@ -69,11 +71,19 @@ class Session(SessionHooks):
         self.turn_items: dict[int, list[tuple[str, str | None]]] = {}  # LLM turn -> its user items
         self._holds: dict[int, bool] = {}
         self._replying: set[int] = set()  # user turns whose reply is not done (a barge-in cuts them)
+        self._awaiting: set[int] = set()  # spoken turns committed, answered by themselves, no response yet
+        self._heard: dict[int, str] = {}  # per spoken turn: its transcript (a turn held late needs it)
         self._speech_end: dict[int, float] = {}  # per user turn: when its speech really ended
+        self._seconds: dict[int, float] = {}  # per user turn: how long its audio is (the transcript's usage)
+        self._usage: dict[int, dict[str, int]] = {}  # per turn: the LLM's token counts so far
+        self.out_of_band: set[int] = set()  # turns of conversation "none" responses: later requests skip them
 
     # -- the connection ---------------------------------------------------------------------
 
     def send(self, event: dict[str, Any]) -> None:
+        if event["type"] in ("conversation.item.added", "conversation.item.done"):
+            with self.lock:  # the item as the client last heard of it: what a retrieve answers
+                self.item_data[event["item"]["id"]] = event["item"]
         if self.closed:
             return
         self._emit(events.encode(event))
@@ -118,13 +128,19 @@ class Session(SessionHooks):
             self.items.append(item_id)
             return previous
 
-    def user_audio(self, turn: int, end_s: float, speech_end_t: float) -> str:
+    def user_audio(self, turn: int, speech: Speech) -> str:
         """The VAD ended a user turn: its audio is committed as the user's item."""
         item_id = self.user_item(turn)
+        end_s = speech.end
         with self.lock:
-            self._speech_end[turn] = speech_end_t
+            self._speech_end[turn] = speech.speech_end_t
+            self._seconds[turn] = speech.end - speech.start
             for old in list(self._speech_end)[: -_REMEMBERED_TURNS]:
                 del self._speech_end[old]
+            for old in list(self._seconds)[: -_REMEMBERED_TURNS]:
+                del self._seconds[old]
+            if not self.holds(turn):  # its reply is on its way: a response.create now is refused
+                self._awaiting.add(turn)
         self.send(events.speech_stopped(item_id, round(end_s * 1000)))
         self._committed(item_id)
         return item_id
@@ -133,6 +149,7 @@ class Session(SessionHooks):
         """``input_audio_buffer.commit`` (manual turns): the buffered audio is the user's turn."""
         with self.lock:
             self._holds[turn] = True
+            self._seconds[turn] = len(speech.pcm) / speech.rate
         item_id = self.user_item(turn)
         self._committed(item_id)
         self.hold(turn, item_id, speech=speech)
@@ -151,11 +168,17 @@ class Session(SessionHooks):
             self.hold(turn, item_id, text=text)
         if rest:
             self.send(events.transcription_delta(item_id, rest))
-        self.send(events.transcription_completed(item_id, text))
+        with self.lock:
+            seconds = self._seconds.pop(turn, 0.0)
+        self.send(events.transcription_completed(item_id, text, seconds))
         self.send(events.item_done(events.user_audio_item(item_id, text)))
         with self.lock:
-            if not text or held:
+            self._heard[turn] = text
+            for old in list(self._heard)[: -_REMEMBERED_TURNS]:
+                del self._heard[old]
+            if not text or held or self._holds.get(turn):
                 self._replying.discard(turn)  # nothing to answer, or not now
+                self._awaiting.discard(turn)
             else:
                 self.answering = turn
 
@@ -176,6 +199,14 @@ class Session(SessionHooks):
         self.send(events.item_added(item, previous))
         self.send(events.item_done(item, previous))
 
+    def retrieve(self, item_id: str) -> None:
+        """``conversation.item.retrieve``: the item as the client last heard of it."""
+        with self.lock:
+            item = self.item_data.get(item_id) if item_id in self.items else None
+        if item is None:
+            raise ProtocolError("item_not_found", f"no item {item_id!r} in this conversation", param="item_id")
+        self.send(events.item_retrieved(item))
+
     def delete(self, item_id: str) -> None:
         """``conversation.item.delete``: the item leaves the conversation the LLM sees."""
         with self.lock:
@@ -185,6 +216,7 @@ class Session(SessionHooks):
                 raise ProtocolError("unsupported_value", "function call items stay in the conversation: delete the "
                                     "assistant or user message around them instead", param="item_id")
             self.items.remove(item_id)
+            self.item_data.pop(item_id, None)
             self.deleted.add(item_id)
             self.pending = [q for q in self.pending if q.item_id != item_id]
             for resp in self.asked:
@@ -248,10 +280,14 @@ class Session(SessionHooks):
                 entry.ready = entry.ready or ready
         self.dispatch()
 
-    def ask(self, resp: Response) -> None:
-        """``response.create``: answer every user message waiting now, once all are transcribed."""
+    def ask(self, resp: Response, inputs: list[Pending] | None = None) -> None:
+        """``response.create``: answer every user message waiting now, once all are transcribed
+        (or, with ``input``, those messages only)."""
         with self.lock:
-            resp.inputs, self.pending = self.pending, []
+            if inputs is None:
+                resp.inputs, self.pending = self.pending, []
+            else:
+                resp.inputs = inputs
             self.asked.append(resp)
         self.dispatch()
 
@@ -286,7 +322,9 @@ class Session(SessionHooks):
         with self.lock:
             resp = self.responses.get(turn)
             if resp is None:
-                resp = self.responses[turn] = Response(new_id("resp"), turn, list(self.config.output_modalities))
+                self._awaiting.discard(turn)
+                resp = self.responses[turn] = Response(new_id("resp"), turn, list(self.config.output_modalities),
+                                                       conversation_id=self.conversation_id)
                 self.by_item[resp.item_id] = resp
                 self.send(events.response_created(resp.as_response("in_progress")))
             return resp
@@ -305,10 +343,11 @@ class Session(SessionHooks):
                                          for q in resp.inputs]
             self.send(events.response_created(resp.as_response("in_progress")))
 
-    def active(self) -> list[Response]:
-        """Responses under way, and those asked for that the source has not begun yet."""
+    def active(self) -> bool:
+        """Whether a response is under way, asked for and not begun yet, or on its way for a spoken
+        turn the VAD committed (one response at a time, as OpenAI's server keeps it)."""
         with self.lock:
-            return [r for r in self.responses.values() if not r.done] + list(self.asked)
+            return bool(self._awaiting or self.asked or any(not r.done for r in self.responses.values()))
 
     def output(self, turn: int, epoch: int) -> Response | None:
         """The response answering ``turn`` with its output open (its item and content part added,
@@ -324,9 +363,9 @@ class Session(SessionHooks):
             self._replying.add(turn)
             if not resp.started:
                 resp.started = True
-                previous = self.add_item(resp.item_id)
                 self.send(events.output_item_added(resp.id, 0, resp.as_item("in_progress")))
-                self.send(events.item_added(resp.as_item("in_progress"), previous))
+                if not resp.out_of_band:  # conversation "none": the item is the response's only
+                    self.send(events.item_added(resp.as_item("in_progress"), self.add_item(resp.item_id)))
                 ids = events.part_ids(resp.id, resp.item_id)
                 self.send(events.content_part_added(ids, events.content_part(resp.audio, "")))
             return resp
@@ -375,6 +414,7 @@ class Session(SessionHooks):
         self.forget_below(turn)
         with self.lock:
             self._replying = {t for t in self._replying if t >= turn}
+            self._awaiting = {t for t in self._awaiting if t >= turn}
             # not the ones asked for and not begun yet (turn 0): they answer later messages
             for resp in [r for r in self.responses.values() if not r.done and r.turn < turn]:
                 if self.playback is not None:
@@ -395,6 +435,8 @@ class Session(SessionHooks):
         """``response.cancel``, in order with the client's other events: the turns of the responses
         under way, to interrupt (their ``response.done`` says the client cancelled them)."""
         with self.lock:
+            for turn in list(self._awaiting):  # a spoken turn's reply on its way: it is cancelled too
+                self.response(turn)
             begun = [r for r in self.responses.values() if not r.done and r.turn]
             for resp in begun:
                 resp.cancel_reason = "client_cancelled"
@@ -423,7 +465,8 @@ class Session(SessionHooks):
         with self.lock:
             resp = self.response(turn)
             if resp.done:  # a later round of the same turn: a response of its own
-                resp = Response(new_id("resp"), turn, list(self.config.output_modalities))
+                resp = Response(new_id("resp"), turn, list(self.config.output_modalities),
+                                conversation_id=self.conversation_id)
                 self.begin(turn, resp)
             self._end(resp, "completed", calls=calls)
 
@@ -434,6 +477,9 @@ class Session(SessionHooks):
             if resp.done:
                 return
             resp.done = True
+            resp.usage = events.response_usage(self._usage.pop(resp.turn, None))
+            if resp.out_of_band:
+                self.out_of_band.add(resp.turn)
             if not calls:  # with calls the turn goes on (after the client's outputs): speech still cuts it
                 self._replying.discard(resp.turn)
             output = []
@@ -447,7 +493,8 @@ class Session(SessionHooks):
                     self.send(events.output_text_done(ids, resp.text))
                 self.send(events.content_part_done(ids, events.content_part(resp.audio, resp.text)))
                 self.send(events.output_item_done(resp.id, 0, item))
-                self.send(events.item_done(item))
+                if not resp.out_of_band:
+                    self.send(events.item_done(item))
                 output.append(item)
             for index, call in enumerate(calls, start=len(output)):
                 where = (resp.id, index, call.item_id, call.call_id)
@@ -466,10 +513,40 @@ class Session(SessionHooks):
 
     # -- what the session's nodes ask (ctx.session) -----------------------------------------
 
+    def survives(self, turn: int, error: BaseException) -> bool:
+        """A reply that failed ends its response failed (the sink has its TextDelta.error); the
+        session goes on, as OpenAI's does after a failed response."""
+        from s2s_flow.errors import Stopped
+
+        return not isinstance(error, Stopped) and not self.closed
+
+    def usage(self, turn: int, usage: dict[str, Any]) -> None:
+        """A request's token counts (a turn with tool rounds makes several): its response reports them."""
+        with self.lock:
+            total = self._usage.setdefault(turn, {"prompt_tokens": 0, "completion_tokens": 0})
+            for key in total:
+                total[key] += int(usage.get(key) or 0)
+            for old in list(self._usage)[: -_REMEMBERED_TURNS]:
+                del self._usage[old]
+
     def answers(self, turn: int) -> bool:
         """The LLM answers a user turn by itself unless the session holds it for ``response.create``
-        (it is then answered as a turn of its own)."""
-        return not self.holds(turn)
+        (it is then answered as a turn of its own). A spoken turn whose reply would run beside a
+        response the client asked for before the turn was committed waits too: one response at a
+        time (the LLM asks once per turn, at its transcript)."""
+        with self.lock:
+            if self.holds(turn):
+                return False
+            if not (self.asked or any(not r.done and r.turn > turn for r in self.responses.values())):
+                return True
+            self._holds[turn] = True
+            self._awaiting.discard(turn)
+            self._replying.discard(turn)
+            if self.answering == turn:
+                self.answering = None
+            text = self._heard.get(turn)
+        self.hold(turn, self.user_item(turn), text=text)
+        return False
 
     def speaks(self, turn: int) -> bool:
         """Whether the reply to ``turn`` has audio: its response's modalities, or the session's
@@ -485,7 +562,13 @@ class Session(SessionHooks):
             exchanges = conversation.exchanges
             answering = self.responses.get(exchanges[-1].turn) if exchanges else None
             deleted = set(self.deleted)
-            return conversation_view(
+            view = conversation_view(
                 conversation, instructions=answering.instructions if answering is not None else None,
                 deleted=deleted, turn_items=dict(self.turn_items), user_items=dict(self.user_items),
                 no_reply={r.turn for r in self.by_item.values() if r.item_id in deleted})
+            if answering is not None and answering.own_context:  # response.create's input: its context only
+                view.exchanges = view.exchanges[-1:]
+            elif self.out_of_band:  # out-of-band responses and their input are no part of the conversation
+                last = view.exchanges[-1:]
+                view.exchanges = [ex for ex in view.exchanges[:-1] if ex.turn not in self.out_of_band] + last
+            return view
