@@ -9,7 +9,8 @@ early (cancelled, cut by the user's speech, failed, or ended by tool calls) firs
 part it opened.
 
 The graph's nodes ask it through ``ctx.session`` (the node contract's ``SessionHooks``): which
-user turns the LLM answers by itself, which replies are spoken, what the LLM sees of its history.
+user turns the LLM answers by itself, which replies are spoken, what the LLM sees of its history
+(those hooks, and which user turns start a reply, are hooks.py's part of the class).
 Its own nodes' settings (turn detection, voice, instructions, tools) it changes through
 ``nodes`` (node_settings.py) and ``tools`` (client_tools.py), by the node contract's interfaces.
 """
@@ -28,20 +29,18 @@ import numpy as np
 from nodes._playback import Playback
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.client_tools import ClientCall, ClientTools
-from nodes.io.realtime.history import conversation_view
+from nodes.io.realtime.hooks import NodeHooks, trim
 from nodes.io.realtime.node_settings import NodeSettings
 from nodes.io.realtime.protocol import ProtocolError, SessionConfig, new_id
 from nodes.io.realtime.response import Pending, Response
 from s2s_flow.messages import Speech
-from s2s_flow.node import SessionHooks
 
 __all__ = ["Session"]
 
 _INBOX = 512  # client events waiting for the source thread (20 ms of audio each, typically)
-_REMEMBERED_TURNS = 256  # per-turn bookkeeping kept for the most recent turns only
 
 
-class Session(SessionHooks):
+class Session(NodeHooks):
     """One connection's conversation and responses (thread-safe: every change under ``lock``).
 
     ``send`` hands a server event to the connection (``emit``: thread-safe, bounded by the
@@ -135,10 +134,7 @@ class Session(SessionHooks):
         with self.lock:
             self._speech_end[turn] = speech.speech_end_t
             self._seconds[turn] = speech.end - speech.start
-            for old in list(self._speech_end)[: -_REMEMBERED_TURNS]:
-                del self._speech_end[old]
-            for old in list(self._seconds)[: -_REMEMBERED_TURNS]:
-                del self._seconds[old]
+            trim(self._speech_end, self._seconds)
             if not self.holds(turn):  # its reply is on its way: a response.create now is refused
                 self._awaiting.add(turn)
         self.send(events.speech_stopped(item_id, round(end_s * 1000)))
@@ -174,8 +170,7 @@ class Session(SessionHooks):
         self.send(events.item_done(events.user_audio_item(item_id, text)))
         with self.lock:
             self._heard[turn] = text
-            for old in list(self._heard)[: -_REMEMBERED_TURNS]:
-                del self._heard[old]
+            trim(self._heard)
             if not text or held or self._holds.get(turn):
                 self._replying.discard(turn)  # nothing to answer, or not now
                 self._awaiting.discard(turn)
@@ -241,79 +236,6 @@ class Session(SessionHooks):
         if self.playback is not None:
             self.playback.set_heard(resp.turn, resp.heard(end_ms), played_s=end_ms / 1000, t=time.monotonic())
         self.send(events.item_truncated(resp.item_id, end_ms))
-
-    # -- which user turns start a reply ---------------------------------------------------
-
-    def holds(self, turn: int) -> bool:
-        """Whether the spoken ``turn`` waits for ``response.create`` (manual turns, or
-        ``create_response: false``) rather than being answered by itself. Decided once per
-        turn, by whoever asks first (the sink at its start, the LLM at its transcript; a
-        commit decides its own turn)."""
-        with self.lock:
-            held = self._holds.get(turn)
-            if held is None:
-                held = self._holds[turn] = turn not in self.responses and not self.config.auto_response
-                for old in list(self._holds)[: -_REMEMBERED_TURNS]:
-                    del self._holds[old]
-            return held
-
-    def expect_reply(self, turn: int) -> bool:
-        """A user turn is under way: its reply will follow, unless the session holds it. Returns
-        whether an earlier turn's reply is still under way (the new speech barges in on it)."""
-        with self.lock:
-            busy = any(t < turn for t in self._replying)
-            if not self.holds(turn):
-                self._replying.add(turn)
-            return busy
-
-    def hold(self, turn: int, item_id: str, *, text: str | None = None, speech: Speech | None = None) -> None:
-        """A held turn waits in ``pending`` for ``response.create`` from its end on; it is ready once
-        its transcript is in (``text``), or at once with its audio for an LLM that hears audio."""
-        hears = self.nodes.hears_audio
-        ready = text is not None or (speech is not None and hears)
-        with self.lock:
-            entry = next((q for q in self.pending + [q for r in self.asked for q in r.inputs] if q.turn == turn), None)
-            if entry is None:
-                self.pending.append(Pending(item_id, turn, text, speech if hears else None, ready))
-            else:
-                entry.text = text if text is not None else entry.text
-                entry.ready = entry.ready or ready
-        self.dispatch()
-
-    def ask(self, resp: Response, inputs: list[Pending] | None = None) -> None:
-        """``response.create``: answer every user message waiting now, once all are transcribed
-        (or, with ``input``, those messages only)."""
-        with self.lock:
-            if inputs is None:
-                resp.inputs, self.pending = self.pending, []
-            else:
-                resp.inputs = inputs
-            self.asked.append(resp)
-        self.dispatch()
-
-    def dispatch(self) -> None:
-        """Hand the source every asked-for response whose user messages are all in (in order)."""
-        with self.lock:
-            ready = []
-            for resp in self.asked:
-                if resp.dispatched or not all(q.ready for q in resp.inputs):
-                    break  # one at a time, in the order asked
-                resp.dispatched = True
-                ready.append(resp)
-        for resp in ready:
-            if not self.put(("respond", resp)):
-                with self.lock:
-                    self.asked.remove(resp)
-                self.send(events.error("input_overflow", "the server is behind on this session: the response was "
-                                       "not started; send response.create again", type="server_error"))
-
-    def forget_below(self, turn: int) -> None:
-        """An interrupt made every turn before ``turn`` stale: their transcripts will not come."""
-        with self.lock:
-            for q in self.pending + [q for r in self.asked for q in r.inputs]:
-                if q.turn and q.turn < turn and not q.ready:
-                    q.ready = True
-        self.dispatch()
 
     # -- a response's lifecycle ---------------------------------------------------------------
 
@@ -510,65 +432,3 @@ class Session(SessionHooks):
             if status == "completed" and not calls and self.observe is not None:
                 self.observe("turn", 1)  # counted before the client hears of it: /metrics agrees with it
             self.send(events.response_done(resp.as_response(status, details, output)))
-
-    # -- what the session's nodes ask (ctx.session) -----------------------------------------
-
-    def survives(self, turn: int, error: BaseException) -> bool:
-        """A reply that failed ends its response failed (the sink has its TextDelta.error); the
-        session goes on, as OpenAI's does after a failed response."""
-        from s2s_flow.errors import Stopped
-
-        return not isinstance(error, Stopped) and not self.closed
-
-    def usage(self, turn: int, usage: dict[str, Any]) -> None:
-        """A request's token counts (a turn with tool rounds makes several): its response reports them."""
-        with self.lock:
-            total = self._usage.setdefault(turn, {"prompt_tokens": 0, "completion_tokens": 0})
-            for key in total:
-                total[key] += int(usage.get(key) or 0)
-            for old in list(self._usage)[: -_REMEMBERED_TURNS]:
-                del self._usage[old]
-
-    def answers(self, turn: int) -> bool:
-        """The LLM answers a user turn by itself unless the session holds it for ``response.create``
-        (it is then answered as a turn of its own). A spoken turn whose reply would run beside a
-        response the client asked for before the turn was committed waits too: one response at a
-        time (the LLM asks once per turn, at its transcript)."""
-        with self.lock:
-            if self.holds(turn):
-                return False
-            if not (self.asked or any(not r.done and r.turn > turn for r in self.responses.values())):
-                return True
-            self._holds[turn] = True
-            self._awaiting.discard(turn)
-            self._replying.discard(turn)
-            if self.answering == turn:
-                self.answering = None
-            text = self._heard.get(turn)
-        self.hold(turn, self.user_item(turn), text=text)
-        return False
-
-    def speaks(self, turn: int) -> bool:
-        """Whether the reply to ``turn`` has audio: its response's modalities, or the session's
-        for a reply whose response the sink has not made yet."""
-        with self.lock:
-            resp = self.responses.get(turn)
-            return "audio" in (resp.modalities if resp is not None else self.config.output_modalities)
-
-    def history(self, conversation: Any) -> Any:
-        """What the LLM sends of ``conversation`` for one request: the client's edits applied
-        (nodes/io/realtime/history.py)."""
-        with self.lock:
-            exchanges = conversation.exchanges
-            answering = self.responses.get(exchanges[-1].turn) if exchanges else None
-            deleted = set(self.deleted)
-            view = conversation_view(
-                conversation, instructions=answering.instructions if answering is not None else None,
-                deleted=deleted, turn_items=dict(self.turn_items), user_items=dict(self.user_items),
-                no_reply={r.turn for r in self.by_item.values() if r.item_id in deleted})
-            if answering is not None and answering.own_context:  # response.create's input: its context only
-                view.exchanges = view.exchanges[-1:]
-            elif self.out_of_band:  # out-of-band responses and their input are no part of the conversation
-                last = view.exchanges[-1:]
-                view.exchanges = [ex for ex in view.exchanges[:-1] if ex.turn not in self.out_of_band] + last
-            return view
