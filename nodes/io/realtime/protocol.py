@@ -182,14 +182,23 @@ def _turn_detection(value: Any, current: dict[str, Any]) -> dict[str, Any] | Non
     where = "session.audio.input.turn_detection"
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
-        raise ProtocolError("unsupported_value", "turn_detection: use {'type': 'server_vad', ...} or null (manual "
-                            "turns: input_audio_buffer.commit ends them); semantic_vad is not supported", param=where)
-    unknown = sorted(set(value) - _TURN_KEYS)
+    kind = value.get("type", current.get("type", "server_vad")) if isinstance(value, dict) else None
+    if kind not in ("server_vad", "semantic_vad"):
+        raise ProtocolError("unsupported_value", "turn_detection: use {'type': 'server_vad', ...}, {'type': "
+                            "'semantic_vad'} or null (manual turns: input_audio_buffer.commit ends them)", param=where)
+    keys = _TURN_KEYS | {"eagerness"} if kind == "semantic_vad" else _TURN_KEYS
+    unknown = sorted(set(value) - keys)
     if unknown:
         raise ProtocolError("unknown_parameter", f"turn_detection has no {', '.join(unknown)}; it takes "
-                            f"{', '.join(sorted(_TURN_KEYS))}", param=f"{where}.{unknown[0]}")
-    merged = {**current, **value, "type": "server_vad"}
+                            f"{', '.join(sorted(keys))}", param=f"{where}.{unknown[0]}")
+    # semantic_vad (the Agents SDK's default) is served by the server's own end-of-turn detection,
+    # whatever vad.turn chose (vad.turn=smart_turn: a model of the words' end); its eagerness is kept
+    merged = {k: v for k, v in {**current, **value, "type": kind}.items() if k != "eagerness" or kind == "semantic_vad"}
+    if kind == "semantic_vad":
+        merged.setdefault("eagerness", "auto")
+        if merged["eagerness"] not in ("low", "medium", "high", "auto"):
+            raise ProtocolError("invalid_value", f"turn_detection.eagerness={merged['eagerness']!r}: use low, "
+                                "medium, high or auto", param=f"{where}.eagerness")
     threshold = merged.get("threshold")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.15 < threshold < 1.0:
         raise ProtocolError("invalid_value", f"turn_detection.threshold={threshold!r}: a speech probability the "
