@@ -12,7 +12,7 @@ const speech = process.env.S2S_SPEECH_PCM;
 const skip = url ? false : 'S2S_REALTIME_URL is not set: run tests/test_realtime_agents.py';
 
 /** A connected session; `errors`: every session error the SDK reports, `events`: every raw server event. */
-async function open(config = {}) {
+async function open(t, config = {}) {
   const agent = new RealtimeAgent({ name: 'Assistant', instructions: 'You are a terse assistant.' });
   const transport = new OpenAIRealtimeWebSocket({ url });
   const session = new RealtimeSession(agent, { transport, model: 's2s-flow', config });
@@ -20,17 +20,22 @@ async function open(config = {}) {
   const events = [];
   session.on('error', (error) => errors.push(error));
   transport.on('*', (event) => events.push(event));
+  t.after(() => session.close()); // passed or failed: the socket closes, the runner ends
   await session.connect({ apiKey: 'unused', url });
   return { session, transport, errors, events };
 }
 
-/** The next raw server event of `type` that satisfies `match` (no timer: the caller's runner bounds the run). */
+/** The next raw server event of `type` that satisfies `match`; an error event fails it at once
+ * (no timer: the caller's runner bounds the run). */
 function next(transport, type, match = () => true) {
-  return new Promise((resolve) => {
+  return new Promise((resolve, reject) => {
     const on = (event) => {
       if (event.type === type && match(event)) {
         transport.off('*', on);
         resolve(event);
+      } else if (event.type === 'error') {
+        transport.off('*', on);
+        reject(new Error(`a session error while waiting for ${type}: ${JSON.stringify(event.error)}`));
       }
     };
     transport.on('*', on);
@@ -41,8 +46,8 @@ function describe(errors) {
   return JSON.stringify(errors.map((e) => e.error ?? e), null, 1);
 }
 
-test('a text turn: the reply arrives and the history has both messages', { skip }, async () => {
-  const { session, transport, errors } = await open({ outputModalities: ['text'] });
+test('a text turn: the reply arrives and the history has both messages', { skip }, async (t) => {
+  const { session, transport, errors } = await open(t, { outputModalities: ['text'] });
   const done = next(transport, 'response.done');
   session.sendMessage('What is the capital of France?');
   const event = await done;
@@ -51,12 +56,11 @@ test('a text turn: the reply arrives and the history has both messages', { skip 
   assert.ok(assistant, 'the reply is in the SDK history');
   assert.ok(event.response.usage.output_tokens > 0, 'token counts in response.done');
   assert.deepEqual(errors, [], describe(errors));
-  session.close();
 });
 
 test('a voice turn interrupted mid-reply: cancelled, truncated, its items retrieved, no session error',
-  { skip: skip || (!speech && 'S2S_SPEECH_PCM is not set') }, async () => {
-    const { session, transport, errors, events } = await open();
+  { skip: skip || (!speech && 'S2S_SPEECH_PCM is not set') }, async (t) => {
+    const { session, transport, errors, events } = await open(t);
     const pcm = readFileSync(speech);
     const firstAudio = next(transport, 'response.output_audio.delta');
     const transcribed = next(transport, 'conversation.item.input_audio_transcription.completed');
@@ -83,5 +87,4 @@ test('a voice turn interrupted mid-reply: cancelled, truncated, its items retrie
     const userItem = session.history.find((item) => item.itemId === heard.item_id);
     assert.ok(userItem, "the user's turn is in the SDK history");
     assert.deepEqual(errors, [], describe(errors));
-    session.close();
   });
