@@ -8,6 +8,7 @@ sessions). The Agents SDK's own test is tests/test_realtime_agents.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -268,25 +269,58 @@ def test_live_transcription_deltas_only_append_and_end_before_completed(proxy, t
 # -- 10. transcription sessions; 12. images ----------------------------------------------------
 
 
-def test_a_transcription_session_and_an_image_are_refused_clearly_and_nothing_is_dropped(served):
+def test_a_transcription_session_sends_the_users_transcripts_and_makes_no_response(served, proxy):
+    """A spoken turn in a transcription session is transcribed and not answered: no response, and
+    no request to the LLM, through 3 s of silence after its transcript (paced like a microphone:
+    time for a reply to begin if one were made); a response.create is refused."""
+    url, _ = served
+
+    async def talk():
+        async with sdk(url) as conn:
+            await conn.session.update(session={"type": "transcription", "audio": {"input": {
+                "transcription": {"model": "gpt-4o-transcribe"}, "turn_detection": {"type": "server_vad"}}}})
+            events: list[Any] = []
+            updated = await until_type(conn, "session.updated", events=events)
+            since = len(proxy.requests)
+            await speak(conn, spoken(MARATHON))
+            await until_type(conn, "conversation.item.input_audio_transcription.completed", events=events)
+            loop = asyncio.get_running_loop()
+            start, silence = loop.time(), base64.b64encode(bytes(2 * 24000 // 50)).decode("ascii")
+            for i in range(150):  # 3 s of 20 ms appends
+                await asyncio.sleep(max(0.0, start + i * 0.02 - loop.time()))
+                await conn.input_audio_buffer.append(audio=silence)
+            await conn.response.create(event_id="evt_reply")
+            await until_type(conn, "error", events=events)
+            await conn.session.update(event_id="evt_kind", session={"type": "conversation"})
+            await until_type(conn, "error", events=events)
+            return updated, events, proxy.bodies("/chat/completions", since)
+
+    updated, events, requests = run(talk())
+    assert updated.session.type == "transcription" and updated.session.audio.input.format.rate == 24000
+    heard = [e.transcript.lower() for e in events if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert len(heard) == 1 and "marathon" in heard[0]
+    assert not [e for e in events if e.type.startswith("response.")], "no response, by itself or asked for"
+    assert requests == [], "the LLM was never asked"
+    errors = {e.error.event_id: e.error for e in events if e.type == "error"}
+    assert errors["evt_reply"].code == "unsupported_value" and "transcription session" in errors["evt_reply"].message
+    assert (errors["evt_kind"].code, errors["evt_kind"].param) == ("invalid_value", "session.type")
+
+
+def test_an_image_is_refused_clearly_and_its_item_is_not_half_added(served):
     url, _ = served
     image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
 
     async def talk():
         async with sdk(url) as conn:
-            await conn.session.update(session={"type": "transcription"}, event_id="evt_kind")
-            kind = await until_type(conn, "error")
             item = {"type": "message", "role": "user", "id": "item_img",
                     "content": [{"type": "input_text", "text": "What is in this picture?"}, image]}
             await conn.conversation.item.create(item=item, event_id="evt_img")
             img = await until_type(conn, "error")
             await conn.conversation.item.retrieve(item_id="item_img")
             gone = await until_type(conn, "error", "conversation.item.retrieved")
-            return kind, img, gone
+            return img, gone
 
-    kind, img, gone = run(talk())
-    assert (kind.error.code, kind.error.param, kind.error.event_id) == ("unsupported_value", "session.type", "evt_kind")
-    assert "realtime" in kind.error.message
+    img, gone = run(talk())
     assert (img.error.code, img.error.event_id) == ("unsupported_content", "evt_img")
     assert img.error.param == "item.content[1]" and "image" in img.error.message
     assert gone.type == "error" and gone.error.code == "item_not_found", "the whole item was refused, not half of it"

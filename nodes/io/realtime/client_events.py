@@ -181,6 +181,9 @@ class ClientEvents:
         response, session = event.get("response") or {}, self.session
         if not isinstance(response, dict):
             raise ProtocolError("invalid_value", "response.create's 'response' must be an object", param="response")
+        if session.config.kind == "transcription":
+            raise ProtocolError("unsupported_value", "a transcription session makes no responses: it sends the "
+                                "user's transcripts; session.update with type 'realtime' for replies")
         if session.active():
             raise ProtocolError("conversation_already_has_active_response", "a response is in progress: cancel it "
                                 "(response.cancel) or wait for response.done")

@@ -85,6 +85,8 @@ class NodeHooks(SessionHooks):
     def hold(self, turn: int, item_id: str, *, text: str | None = None, speech: Speech | None = None) -> None:
         """A held turn waits in ``pending`` for ``response.create`` from its end on; it is ready once
         its transcript is in (``text``), or at once with its audio for an LLM that hears audio."""
+        if self.config.kind == "transcription":
+            return  # a transcription session answers nothing: no turn waits for a response
         hears = self.nodes.hears_audio
         ready = text is not None or (speech is not None and hears)
         with self.lock:

@@ -88,6 +88,8 @@ class SessionConfig:
         "create_response": True, "interrupt_response": True, "idle_timeout_ms": None})
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
+    #: "realtime", or "transcription": the user's turns are committed and transcribed, never answered
+    kind: str = "realtime"
     #: the last server_vad settings, restored when turn_detection goes from null back to server_vad
     server_vad: dict[str, Any] = field(default_factory=dict)
 
@@ -102,7 +104,8 @@ class SessionConfig:
     @property
     def auto_response(self) -> bool:
         """A turn the VAD ends is answered by itself (else it waits for response.create)."""
-        return self.turn_detection is not None and self.turn_detection.get("create_response", True)
+        return self.kind == "realtime" and self.turn_detection is not None and \
+            self.turn_detection.get("create_response", True)
 
     def update(self, session: Any, fit: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
                voice: Callable[[str], str] | None = None) -> None:
@@ -111,12 +114,12 @@ class SessionConfig:
         the voice asked for and names the one it speaks with; each refuses with a ProtocolError."""
         if not isinstance(session, dict):
             raise ProtocolError("invalid_value", "session.update needs a 'session' object", param="session")
-        if session.get("type", "realtime") != "realtime":
-            raise ProtocolError("unsupported_value", f"session.type={session.get('type')!r}: this server serves "
-                                "realtime sessions only (type 'realtime'); for transcripts alone, keep a realtime "
-                                "session and read conversation.item.input_audio_transcription.* (with "
-                                "turn_detection.create_response=false no response is made)", param="session.type")
+        kind = session.get("type", self.kind)
+        if kind not in ("realtime", "transcription"):
+            raise ProtocolError("invalid_value", f"session.type={kind!r}: use 'realtime' (a conversation with "
+                                "responses) or 'transcription' (the user's transcripts only)", param="session.type")
         new = copy.deepcopy(self)
+        new.kind = kind
         if "instructions" in session:
             if session["instructions"] is not None and not isinstance(session["instructions"], str):
                 raise ProtocolError("invalid_value", "session.instructions must be a string",
@@ -152,6 +155,11 @@ class SessionConfig:
 
     def to_event(self, session_id: str) -> dict[str, Any]:
         pcm = {"type": "audio/pcm"}
+        if self.kind == "transcription":
+            return {"type": "transcription", "object": "realtime.transcription_session", "id": session_id,
+                    "audio": {"input": {"format": {**pcm, "rate": self.input_rate}, "transcription": {"model": "stt"},
+                                        "noise_reduction": None, "turn_detection": self.turn_detection}},
+                    "include": None}
         return {
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
             "output_modalities": self.output_modalities, "instructions": self.instructions,
