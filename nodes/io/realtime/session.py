@@ -135,8 +135,8 @@ class Session(NodeHooks):
             self._speech_end[turn] = speech.speech_end_t
             self._seconds[turn] = speech.end - speech.start
             trim(self._speech_end, self._seconds)
-            if not self.holds(turn):  # its reply is on its way: a response.create now is refused
-                self._awaiting.add(turn)
+            if not self.holds(turn) and turn not in self.responses:  # its reply is on its way: a
+                self._awaiting.add(turn)  # response.create now is refused
         self.send(events.speech_stopped(item_id, round(end_s * 1000)))
         self._committed(item_id)
         return item_id
@@ -399,6 +399,7 @@ class Session(NodeHooks):
             if resp.done:
                 return
             resp.done = True
+            self._awaiting.discard(resp.turn)
             resp.usage = events.response_usage(self._usage.pop(resp.turn, None))
             if resp.out_of_band:
                 self.out_of_band.add(resp.turn)
