@@ -168,7 +168,13 @@ class RemoteLLM(LLMBase):
         try:
             models = self.client.open()
         except RemoteError as exc:
-            raise self.explain(exc) from None
+            if not self.ctx.live or isinstance(exc, RemoteRefused):
+                raise self.explain(exc) from None
+            # a live session outlives a server that is down (a managed one is being restarted):
+            # its turns say the fallback reply until the server answers again
+            self.ctx.log.warning("%s does not answer yet (%s); the session starts, each turn asks again",
+                                 self.client.base_url, exc)
+            models = []
         if self.model and models and self.model not in models:
             self.ctx.log.warning(
                 "llm.model=%r is not among the models %s lists (%s); the request may fail",
