@@ -62,8 +62,8 @@ CAUSES: tuple[Cause, ...] = (
     ),
     Cause(
         "no_memory",
-        r"failed to allocate|unable to allocate|std::bad_alloc|out of memory|Cannot allocate memory|"
-        r"OutOfMemoryError|No available memory for the cache blocks",
+        r"failed to allocate|unable to allocate|insufficient memory|std::bad_alloc|out of memory|"
+        r"Cannot allocate memory|OutOfMemoryError|No available memory for the cache blocks",
         "it ran out of memory while loading the model or allocating its context",
         "free memory, use a smaller model or quantisation, or ask for less: a smaller context (-c / "
         "--ctx-size, vLLM --max-model-len), fewer parallel slots (-np), fewer GPU layers (-ngl)",
