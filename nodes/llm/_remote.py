@@ -168,12 +168,11 @@ class RemoteLLM(LLMBase):
         try:
             models = self.client.open()
         except RemoteError as exc:
-            if not self.ctx.live or isinstance(exc, RemoteRefused):
+            if not self.ctx.live:
                 raise self.explain(exc) from None
-            # a live session outlives a server that is down (a managed one is being restarted):
-            # its turns say the fallback reply until the server answers again
-            self.ctx.log.warning("%s does not answer yet (%s); the session starts, each turn asks again",
-                                 self.client.base_url, exc)
+            # a live session outlives a server that is down (a managed one being restarted) or that
+            # refuses it: each turn asks again, says the fallback reply and tells why (an error event)
+            self.ctx.log.warning("%s: the session starts, each turn asks again", self.explain(exc))
             models = []
         if self.model and models and self.model not in models:
             self.ctx.log.warning(

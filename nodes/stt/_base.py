@@ -78,6 +78,9 @@ class UtteranceSTT(Node):
         try:
             text, language = self._decode(msg, audio)
         except RemoteError as exc:  # live: the turn has no transcript, the session goes on
+            if msg.speculative and self.ctx.live:  # its confirmation asks again, and tells if it fails
+                self.ctx.log.warning("turn %d: the early transcript failed: %s", msg.turn, exc)
+                return
             if not turn_failed(self.ctx, "stt", msg.turn, exc):
                 raise
             return
