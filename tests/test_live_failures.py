@@ -219,3 +219,29 @@ def test_a_file_run_still_fails_as_a_whole(tmp_path):
                             f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "llm.max_retries=0"])
     with pytest.raises(NodeFailed, match="node 'llm' failed: .*no server at"):
         Scheduler(plan(cfg, choices), tmp_path / "run").run()
+
+
+@pytest.mark.parametrize("fault", ["5xx after the retries", "a timeout"])
+def test_a_server_error_or_timeout_before_the_first_token_speaks_the_fallback(tmp_path, fault):
+    """Faults a real llama-server does not make on demand (a fake server scripts them): 503 on
+    every try, or no first byte within llm.read_timeout; then the server answers again."""
+    from tests.support.fault_server import FaultServer, Reply, chat_chunks
+
+    if fault == "a timeout":
+        replies, extra = [Reply.sse(chat_chunks("late"), delay_s=3.0)], ["llm.read_timeout=1", "llm.max_retries=0"]
+    else:
+        replies, extra = [Reply.status(503)] * 3, ["llm.max_retries=2"]
+    with FaultServer() as srv:
+        srv.script(*replies, Reply.sse(chat_chunks("Paris.")))
+        with serving(srv.base_url, tmp_path, *extra) as (url, _):
+            async def talk():
+                async with sdk(url) as conn:
+                    one, _ = await ask(conn, "What is the capital of France?", ("text",))
+                    two, _ = await ask(conn, "Again?", ("text",))
+                    return one, two
+
+            one, two = run(talk(), timeout=120)
+    assert one[-1].response.status == "completed" and said(one) == FALLBACK
+    (error,) = [e.error for e in one if e.type == "error"]
+    assert error.code == "llm_failed" and ("503" in error.message or "llm.read_timeout" in error.message), error.message
+    assert two[-1].response.status == "completed" and said(two) == "Paris."
