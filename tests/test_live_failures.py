@@ -24,6 +24,7 @@ from s2s_flow.model_server import managed_server
 from s2s_flow.server_watch import restarts
 from tests.support.managed import processes_with, wait_until
 from tests.support.servers import free_port, running_llama_server
+from tests.support.tts_checks import transcribe, words, words_recovered
 from tests.test_realtime import RATE, appends, sdk, serving, spoken
 
 FALLBACK = "Sorry, I couldn't answer that. Please try again."
@@ -115,6 +116,8 @@ def test_a_killed_managed_llama_server_comes_back_and_the_session_lives_through_
     assert said(failed) == FALLBACK, "with the fallback as its transcript"
     pcm = np.frombuffer(audio, "<i2")
     assert len(pcm) / RATE > 1.0 and np.abs(pcm).max() > 300, "spoken"
+    heard = words(transcribe(pcm.astype(np.float32) / 32768, RATE))
+    assert words_recovered(FALLBACK, " ".join(heard)) >= 0.6, heard  # Whisper hears the apology
     errors = [e for e in failed if e.type == "error"]
     assert [e.error.code for e in errors] == ["llm_failed"] and "no server at" in errors[0].error.message
     assert again[-1].response.status == "completed" and said(again).strip() and said(again) != FALLBACK
