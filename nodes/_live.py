@@ -19,7 +19,7 @@ __all__ = ["turn_failed"]
 def turn_failed(ctx: Any, stage: str, turn: int, exc: BaseException, *, fallback: str | None = None) -> bool:
     """Whether the session goes on after ``stage`` failed on ``turn`` (a live run: logged, traced
     and told); False: the caller raises, and the run fails."""
-    if not getattr(ctx, "live", False):
+    if not ctx.live:
         return False
     error = str(exc) or type(exc).__name__
     said = f"; saying the fallback reply {fallback!r}" if fallback else ""

@@ -125,7 +125,7 @@ class Scheduler:
         turns = self._run_state.get("turns")
         self._run_state = {} if turns is None else {"turns": turns}
         runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
-        live = any(getattr(run.spec.cls, "live", False) for run in runs.values() if not run.spec.cls.inputs)
+        live = any(run.spec.cls.live for run in runs.values() if not run.spec.cls.inputs)
         for run in runs.values():
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from s2s_flow.model_server import managed_server
 from s2s_flow.server_watch import restarts
 from tests.support.managed import processes_with, wait_until
-from tests.support.servers import free_port, running_llama_server
+from tests.support.servers import answers, free_port, running_llama_server
 from tests.support.tts_checks import transcribe, words, words_recovered
 from tests.test_realtime import RATE, appends, sdk, serving, spoken
 
@@ -40,6 +40,17 @@ async def ask(conn, text: str, modalities: tuple[str, ...] = ("audio",)) -> tupl
                                               "content": [{"type": "input_text", "text": text}]})
     await conn.response.create(response={"output_modalities": list(modalities)})
     return await until_done(conn)
+
+
+def two_texts(url: str, first: str, second: str) -> tuple[list[Any], list[Any]]:
+    """Two typed questions in one session, text responses: the events of each."""
+    async def talk():
+        async with sdk(url) as conn:
+            one, _ = await ask(conn, first, ("text",))
+            two, _ = await ask(conn, second, ("text",))
+            return one, two
+
+    return run(talk(), timeout=120)
 
 
 async def until_done(conn) -> tuple[list[Any], bytes]:
@@ -68,15 +79,6 @@ def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def _health(port: int) -> bool:
-    try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-                f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 def _session_metrics(run_dir: Path) -> dict[str, Any]:
     (path,) = list(run_dir.glob("sessions/*/metrics.json"))
     return json.loads(path.read_text())
@@ -99,9 +101,9 @@ def test_a_killed_managed_llama_server_comes_back_and_the_session_lives_through_
             first, _ = await ask(conn, "What is the capital of France?", ("text",))
             killed = handle.pid
             os.kill(killed, signal.SIGKILL)
-            assert wait_until(lambda: not _health(port), 10), "the server is gone"
+            assert wait_until(lambda: not answers(port), 10), "the server is gone"
             failed, audio = await ask(conn, "How many legs does a spider have?")
-            assert wait_until(lambda: handle.pid != killed and _health(port), 120), "restarted and ready"
+            assert wait_until(lambda: handle.pid != killed and answers(port), 120), "restarted and ready"
             again, _ = await ask(conn, "What is the capital of Italy?", ("text",))
             return first, failed, audio, again, killed
 
@@ -138,13 +140,7 @@ def test_a_refused_key_speaks_the_fallback_and_the_session_goes_on(llama_server_
     with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=key) as base, \
             serving(f"{base}/v1", tmp_path, "llm.api_key=wrong-key", "llm.fallback_reply='One moment, try again.'") \
             as (url, _):
-        async def talk():
-            async with sdk(url) as conn:
-                one, _ = await ask(conn, "What is the capital of France?", ("text",))
-                two, _ = await ask(conn, "And of Spain?", ("text",))
-                return one, two
-
-        one, two = run(talk())
+        one, two = two_texts(url, "What is the capital of France?", "And of Spain?")
     for events in (one, two):
         assert events[-1].response.status == "completed" and said(events) == "One moment, try again."
         (error,) = [e.error for e in events if e.type == "error"]
@@ -154,13 +150,7 @@ def test_a_refused_key_speaks_the_fallback_and_the_session_goes_on(llama_server_
 def test_without_a_fallback_the_turn_fails_and_the_session_goes_on(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: the server is gone
     with serving(dead, tmp_path, "llm.fallback_reply=''", "llm.max_retries=0") as (url, _):
-        async def talk():
-            async with sdk(url) as conn:
-                one, _ = await ask(conn, "Hello?", ("text",))
-                two, _ = await ask(conn, "Anyone there?", ("text",))
-                return one, two
-
-        one, two = run(talk())
+        one, two = two_texts(url, "Hello?", "Anyone there?")
     for events in (one, two):
         assert events[-1].response.status == "failed" and "no server at" in json.dumps(
             events[-1].response.status_details.error.model_dump())
@@ -237,13 +227,7 @@ def test_a_server_error_or_timeout_before_the_first_token_speaks_the_fallback(tm
     with FaultServer() as srv:
         srv.script(*replies, Reply.sse(chat_chunks("Paris.")))
         with serving(srv.base_url, tmp_path, *extra) as (url, _):
-            async def talk():
-                async with sdk(url) as conn:
-                    one, _ = await ask(conn, "What is the capital of France?", ("text",))
-                    two, _ = await ask(conn, "Again?", ("text",))
-                    return one, two
-
-            one, two = run(talk(), timeout=120)
+            one, two = two_texts(url, "What is the capital of France?", "Again?")
     assert one[-1].response.status == "completed" and said(one) == FALLBACK
     (error,) = [e.error for e in one if e.type == "error"]
     assert error.code == "llm_failed" and ("503" in error.message or "llm.read_timeout" in error.message), error.message

@@ -9,14 +9,13 @@ import logging
 import os
 import shutil
 import signal
-import urllib.request
 
 from omegaconf import OmegaConf
 
 from s2s_flow.model_server import managed_server
 from s2s_flow.server_watch import restarts
 from tests.support.managed import processes_with, wait_until
-from tests.support.servers import free_port
+from tests.support.servers import answers, free_port
 
 
 def _cfg(model, port: int, **extra):
@@ -26,22 +25,13 @@ def _cfg(model, port: int, **extra):
         "health_interval_s": 0.2, "restart_backoff_s": 0.2, **extra})
 
 
-def _answers(port: int) -> bool:
-    try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-                f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 def test_a_frozen_server_is_restarted_after_its_missed_probes(llama_server_binary, smollm2_gguf, tmp_path, caplog):
     port = free_port()
     with caplog.at_level(logging.WARNING, "s2s_flow.model_server"), \
             managed_server(_cfg(smollm2_gguf, port, health_failures=2), tmp_path) as handle:
         frozen = handle.pid
         os.kill(frozen, signal.SIGSTOP)
-        assert wait_until(lambda: handle.pid != frozen and _answers(port), 120), caplog.text
+        assert wait_until(lambda: handle.pid != frozen and answers(port), 120), caplog.text
         assert [pid for pid, _ in processes_with(f"--port\0{port}\0")] == [handle.pid], "the frozen one was killed"
     assert f"llama-server:{port} stopped answering" in caplog.text and "2 probes in a row" in caplog.text
     assert restarts()[f"llama-server:{port}"] == 1
