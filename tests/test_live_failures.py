@@ -232,3 +232,42 @@ def test_a_server_error_or_timeout_before_the_first_token_speaks_the_fallback(tm
     (error,) = [e.error for e in one if e.type == "error"]
     assert error.code == "llm_failed" and ("503" in error.message or "llm.read_timeout" in error.message), error.message
     assert two[-1].response.status == "completed" and said(two) == "Paris."
+
+
+def test_s2s_run_io_realtime_lives_through_its_llama_server_being_killed(llama_server_binary, tmp_path):
+    """The issue's own run, end to end: `s2s-run recipe=local_cpu io=realtime`, the llama-server it
+    started SIGKILLed between two turns of one conversation."""
+    from tests.support.managed import start_cli, stop
+
+    rt_port, llm_port = free_port(), free_port()
+    run_dir = tmp_path / "run"
+    proc = start_cli(["recipe=local_cpu", "io=realtime", f"io.port={rt_port}", "llm.max_tokens=24",
+                      f"llm.base_url=http://127.0.0.1:{llm_port}/v1", "llm.max_retries=0",
+                      "server.health_interval_s=0.2", "server.restart_backoff_s=3"], run_dir)
+    url = f"ws://127.0.0.1:{rt_port}/v1"
+
+    def server_pid() -> int:
+        return json.loads((run_dir / "server.json").read_text())["pid"]
+
+    async def talk() -> tuple[Any, ...]:
+        async with sdk(url) as conn:
+            first, _ = await ask(conn, "What is the capital of France?", ("text",))
+            killed = server_pid()
+            os.kill(killed, signal.SIGKILL)
+            assert wait_until(lambda: not answers(llm_port), 10)
+            failed, _ = await ask(conn, "How many legs does a spider have?", ("text",))
+            assert wait_until(lambda: server_pid() != killed and answers(llm_port), 120), "restarted"
+            again, _ = await ask(conn, "What is the capital of Italy?", ("text",))
+            return first, failed, again
+
+    try:
+        assert wait_until(lambda: answers(rt_port, "/") or proc.poll() is not None, 300), "serving"
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        first, failed, again = run(talk())
+        figures = metrics(url)
+    finally:
+        stop(proc)
+    assert said(first) != FALLBACK and said(failed) == FALLBACK and said(again) != FALLBACK
+    assert all(e[-1].response.status == "completed" for e in (first, failed, again))
+    assert figures[("s2s_model_server_restarts_total", (("server", f"llama-server:{llm_port}"),))] == 1
+    assert not processes_with(f"--port\0{llm_port}\0"), "s2s-run took the restarted server down with it"
