@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 
@@ -64,3 +65,19 @@ def test_a_server_that_was_already_running_is_not_restarted(llama_server_binary,
         with managed_server(_cfg(smollm2_gguf, port), tmp_path) as handle:
             assert not handle.started
     assert f"llama-server:{port}" not in restarts()
+
+
+def test_the_restart_options_are_checked_before_anything_starts():
+    import pytest
+
+    from s2s_flow.errors import ConfigError
+    from s2s_flow.model_server_spec import ServerSpec
+
+    base = {"command": ["x"], "ready_url": "http://127.0.0.1:1/health"}
+    for key, bad, says in (("max_restarts", -1, "whole number >= 0 (0: never restart)"),
+                           ("max_restarts", 1.5, "whole number"), ("health_failures", 0, "whole number >= 1"),
+                           ("health_interval_s", 0, "seconds > 0"), ("restart_backoff_s", "soon", "seconds > 0")):
+        with pytest.raises(ConfigError, match=re.escape(f"server.{key}={bad!r} must be a ") + ".*" + re.escape(says)):
+            ServerSpec.from_config({**base, key: bad})
+    spec = ServerSpec.from_config({**base, "max_restarts": 0})
+    assert (spec.max_restarts, spec.health_failures, spec.health_interval_s) == (0, 3, 2.0)
