@@ -379,15 +379,47 @@ def test_the_voice_is_the_servers_and_openais_names_stand_for_it(served):
     assert own.session.audio.output.voice == "en_US-joe-medium"
 
 
-def test_a_failed_response_ends_failed_with_the_reason_and_the_session_goes_on(tmp_path):
+def test_a_stream_that_breaks_before_its_first_token_speaks_the_fallback_and_the_session_goes_on(tmp_path):
     """The LLM's server breaks off its stream before any token (a fault a real llama-server does not
-    make on demand): the response ends ``failed`` with the reason, and the session survives it, as
-    OpenAI's does: no error event, no close, and the next response is answered."""
+    make on demand): the response completes with llm.fallback_reply as its transcript, an error
+    names the stage and the cause, and the session goes on: the next response is the server's."""
+    from tests.support.fault_server import FaultServer, Reply, chat_chunks
+
+    with FaultServer() as srv:
+        srv.script(Reply.sse(chat_chunks("never"), drop_after=0), Reply.sse(chat_chunks("Hello there.")))
+        with serving(srv.base_url, tmp_path) as (url, _server):
+
+            async def talk():
+                async with sdk(url) as conn:
+                    await conn.recv()  # session.created
+                    events = []
+                    for text in ("Hi.", "Hi again."):
+                        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+                        await conn.conversation.item.create(item=item)
+                        await conn.response.create()
+                        events.append(await _collect(conn))
+                    return events
+
+            first, second = run(talk(), timeout=120)
+    done = first[-1]
+    assert done.response.status == "completed"
+    assert done.response.output[0].content[0].transcript == "Sorry, I couldn't answer that. Please try again."
+    assert "response.output_audio.delta" in types(first), "spoken"
+    error = next(e for e in first if e.type == "error")
+    assert error.error.code == "llm_failed" and "broke off" in error.error.message
+    assert second[-1].response.status == "completed"
+    assert second[-1].response.output[0].content[0].transcript == "Hello there."
+
+
+def test_a_failed_response_ends_failed_with_the_reason_and_the_session_goes_on(tmp_path):
+    """Without a fallback reply (llm.fallback_reply=null) the broken stream's response ends
+    ``failed`` with the reason; the session survives it, as OpenAI's does: the connection stays
+    open and the next response is answered."""
     from tests.support.fault_server import FaultServer, Reply, chat_chunks
 
     with FaultServer() as srv:
         srv.script(Reply.sse(chat_chunks("never"), drop_after=0), Reply.sse(chat_chunks("Hello", " there.")))
-        with serving(srv.base_url, tmp_path, "llm.max_retries=0") as (url, server):
+        with serving(srv.base_url, tmp_path, "llm.max_retries=0", "llm.fallback_reply=null") as (url, server):
 
             async def talk():
                 async with sdk(url) as conn:
@@ -404,6 +436,5 @@ def test_a_failed_response_ends_failed_with_the_reason_and_the_session_goes_on(t
     done = failed[-1]
     assert done.response.status == "failed" and done.response.status_details.error.type == "server_error"
     assert "broke off" in done.response.status_details.error.message
-    assert "error" not in types(failed + after), "a failed response is no session error"
     assert after[-1].response.status == "completed" and after[-1].response.output[0].content[0].text == "Hello there."
     assert still_open == 1, "the connection stayed open"

@@ -133,13 +133,6 @@ class NodeHooks(SessionHooks):
                     q.ready = True
         self.dispatch()
 
-    def survives(self, turn: int, error: BaseException) -> bool:
-        """A reply that failed ends its response failed (the sink has its TextDelta.error); the
-        session goes on, as OpenAI's does after a failed response."""
-        from s2s_flow.errors import Stopped
-
-        return not isinstance(error, Stopped) and not self.closed
-
     def usage(self, turn: int, usage: dict[str, Any]) -> None:
         """A request's token counts (a turn with tool rounds makes several): its response reports them."""
         with self.lock:
