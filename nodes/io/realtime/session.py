@@ -384,7 +384,9 @@ class Session(NodeHooks):
     def stage_failed(self, stage: str, turn: int, message: str) -> None:
         """The session goes on: an ``error`` (``<stage>_failed``); an STT's item: transcription failed."""
         if stage == "stt" and (item_id := self.user_items.get(turn)) is not None:
-            self._replying.discard(turn)  # no reply is waited for
+            with self.lock:
+                self._replying.discard(turn)  # no reply is waited for, nor refuses a response.create
+                self._awaiting.discard(turn)
             self.send(events.transcription_failed(item_id, message))
         if self.observe is not None:
             self.observe("stage_failed", stage)
