@@ -69,6 +69,7 @@ def test_the_agents_sdk_in_chromium_over_websocket_talks_and_interrupts_without_
                              capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     page = json.loads(out.read_text())
+    assert page["result"] is not None, f"the page stopped at {page['step']}: {page['events'][-8:]}"
     assert page["failed"] is None and page["errors"] == [], (page["failed"], page["errors"], run.stderr[-2000:])
     result = page["result"]
     assert result["text"]["status"] == "completed" and result["text"]["usage"]["output_tokens"] > 0

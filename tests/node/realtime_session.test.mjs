@@ -72,6 +72,8 @@ test('a voice turn interrupted mid-reply: cancelled, truncated, its items retrie
     const audio = await firstAudio;
     const done = next(transport, 'response.done');
     const truncated = next(transport, 'conversation.item.truncated');
+    // the SDK retrieves the reply's item once truncated: that may come before the cut's response.done
+    const retrieved = next(transport, 'conversation.item.retrieved', (e) => e.item.id === audio.item_id);
     session.interrupt();
     const event = await done;
     assert.equal(event.response.status, 'cancelled');
@@ -79,8 +81,7 @@ test('a voice turn interrupted mid-reply: cancelled, truncated, its items retrie
     assert.deepEqual(closed.slice(-4), ['response.output_audio.done', 'response.output_audio_transcript.done',
       'response.content_part.done', 'response.output_item.done'], 'its open parts closed before response.done');
     await truncated;
-    // the SDK keeps its history by retrieving the items it was told changed: the reply's, after the truncate
-    await next(transport, 'conversation.item.retrieved', (e) => e.item.id === audio.item_id);
+    await retrieved; // the SDK keeps its history by retrieving the items it was told changed
     assert.ok(events.some((e) => e.type === 'conversation.item.retrieved' && e.item.id === heard.item_id),
       "the user's item was retrieved after its transcript");
     assert.equal(heard.usage.type, 'duration');

@@ -21,7 +21,7 @@ const TIMEOUT_MS = Number(process.env.S2S_TIMEOUT_MS || 300000);
 const PAGE = `<!doctype html><meta charset="utf-8"><title>s2s-flow WebSocket test</title>
 <script type="module">
 import { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebSocket } from './openai-realtime-agents.mjs';
-const s = window.s2s = { events: [], errors: [], result: null, failed: null };
+const s = window.s2s = { events: [], errors: [], result: null, failed: null, step: 'connect' };
 const url = location.origin.replace(/^http/, 'ws') + '/v1/realtime';
 const transport = new OpenAIRealtimeWebSocket({ url, useInsecureApiKey: true });
 const agent = new RealtimeAgent({ name: 'assistant', instructions: 'You are a terse assistant.' });
@@ -39,19 +39,27 @@ try {
   await session.connect({ apiKey: 'unused', url });
   const text = next('response.done');
   session.sendMessage('What is the capital of France?');
+  s.step = 'text reply';
   const textDone = await text;
   const pcm = await (await fetch('speech.pcm')).arrayBuffer();
   const firstAudio = next('response.output_audio.delta');
   const transcribed = next('conversation.item.input_audio_transcription.completed');
   for (let i = 0; i < pcm.byteLength; i += 4800) session.sendAudio(pcm.slice(i, Math.min(i + 4800, pcm.byteLength)));
+  s.step = 'transcript';
   const heard = await transcribed;
+  s.step = 'reply audio';
   const audio = await firstAudio;
   const cut = next('response.done');
   const truncated = next('conversation.item.truncated');
+  // the SDK retrieves the reply's item once truncated: that may come before the cut's response.done
+  const retrieved = next('conversation.item.retrieved', (e) => e.item.id === audio.item_id);
   session.interrupt();
+  s.step = 'cut';
   const cutDone = await cut;
+  s.step = 'truncated';
   await truncated;
-  await next('conversation.item.retrieved', (e) => e.item.id === audio.item_id);
+  s.step = 'retrieved';
+  await retrieved;
   s.result = { text: textDone.response, cut: cutDone.response, transcript: heard.transcript,
                history: session.history.map((item) => JSON.parse(JSON.stringify(item))) };
 } catch (error) {
