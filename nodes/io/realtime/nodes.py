@@ -79,8 +79,14 @@ class RealtimeSource(Node):
         max_queued_bytes: int = 8 << 20,
         rate: int = 16000,
         chunk_ms: int = 20,
+        target_ms: float | None = 1000.0,
+        admission: str = "refuse",
+        admission_wait_s: float = 10.0,
     ) -> None:
         _check_rate(rate)
+        from nodes.io.realtime.admission import check
+
+        check(admission, target_ms, admission_wait_s)
         if not 0 <= port <= 65535:
             raise ConfigError(f"io.port={port} is not a TCP port (0-65535; 0 picks a free one)")
         if max_sessions < 1:
@@ -105,6 +111,7 @@ class RealtimeSource(Node):
         self.max_sessions, self.idle_timeout_s, self.max_frame_bytes = max_sessions, idle_timeout_s, max_frame_bytes
         self.max_queued_bytes = max_queued_bytes
         self.rate, self.chunk_ms = rate, chunk_ms
+        self.target_ms, self.admission, self.admission_wait_s = target_ms, admission, admission_wait_s
         self.session: Session | None = None
 
     @property

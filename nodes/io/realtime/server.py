@@ -1,7 +1,8 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/metrics`` (Prometheus text:
-sessions open, turns, voice-to-voice), ``/`` (a browser client). Each connection builds a
+sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
+client). A connection is admitted by count and by load (admission.py). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
 it with its own Scheduler on its own threads; models come from the process-wide cache
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nodes.io.realtime import protocol as events
+from nodes.io.realtime.admission import Admission, InferenceCollector
 from nodes.io.realtime.client_events import ClientEvents
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
@@ -72,6 +74,9 @@ class ServerOptions(Protocol):
     idle_timeout_s: float
     max_frame_bytes: int
     max_queued_bytes: int
+    target_ms: float | None
+    admission: str
+    admission_wait_s: float
 
     @property
     def serves(self) -> str: ...
@@ -89,6 +94,12 @@ class _Metrics:
         self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
         self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
                                     registry=self.registry)
+        self.refused = prom.Counter("s2s_sessions_refused", "Connections refused: by io.max_sessions (count) or "
+                                    "because the sessions open are already slower than io.target_ms (load)",
+                                    ["reason"], registry=self.registry)
+        for reason in ("count", "load"):
+            self.refused.labels(reason)
+        self.registry.register(InferenceCollector())
         self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
                                   "sent", registry=self.registry,
                                   buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
@@ -116,6 +127,9 @@ class RealtimeServer:
         self.console = console
         self.metrics = _Metrics()
         self.open = 0
+        self.admission = Admission(sessions=lambda: self.open, max_sessions=options.max_sessions,
+                                   target_ms=options.target_ms, policy=options.admission,
+                                   wait_s=options.admission_wait_s)
         self.sessions_run = 0
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
         self._sock = sock
@@ -241,10 +255,11 @@ class RealtimeServer:
                 await ws.close(code=1008)
             return
         await ws.accept(subprotocol=subprotocol)
-        if self.open >= self.options.max_sessions:
+        refused = await self.admission.admit()
+        if refused is not None:
+            self.metrics.refused.labels(refused).inc()
             await ws.send_text(events.encode(events.error(
-                "session_limit_reached", f"the server holds {self.options.max_sessions} sessions "
-                "(io.max_sessions); try again later", type="server_error")))
+                "session_limit_reached", self.admission.explain(refused), type="server_error")))
             await ws.close(code=1008, reason="session_limit_reached")
             return
         self.open += 1
@@ -259,6 +274,13 @@ class RealtimeServer:
             del self.sessions[connection.session.id]
             self.open -= 1
             self.metrics.sessions.dec()
+            self.admission.closed()
+
+    def observe(self, name: str, value: float) -> None:
+        """A session's figure (its metrics callback, any thread): to /metrics and to admission."""
+        if name == "voice_to_voice_s":
+            self.admission.voice_to_voice(value)
+        self.metrics.observe(name, value)
 
 
 class _Connection:
@@ -271,7 +293,7 @@ class _Connection:
         self.out: asyncio.Queue[str | None] = asyncio.Queue()
         self.queued = 0  # bytes in self.out
         self.overflow = asyncio.Event()  # the client stopped reading: the session ends
-        self.session = Session(self._emit, SessionConfig(), observe=server.metrics.observe)
+        self.session = Session(self._emit, SessionConfig(), observe=server.observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
 
