@@ -45,15 +45,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 RATE = 24000  # the protocol's default PCM rate, both ways
 STEP = RATE // 50  # 20 ms per append
-QUESTIONS = [  # 2-3 s each in the corpus voice (Piper en_US)
-    "What is the tallest mountain in Europe?",
-    "How long should I boil an egg for breakfast?",
-    "Can you suggest a name for my new puppy?",
-    "Why do the leaves change colour in autumn?",
-    "How far away is the moon from the earth?",
-    "What should I pack for a weekend hiking trip?",
+QUESTIONS = [  # 2-3 s of speech each in the corpus voice (Piper en_US)
+    "What is the tallest mountain in Europe, and how high is it?",
+    "How long should I boil an egg for a soft breakfast?",
+    "Can you suggest a good name for my new puppy?",
+    "Why do the leaves on the trees change colour in autumn?",
+    "How far away is the moon from the earth, roughly?",
+    "What should I pack for a weekend hiking trip in the mountains?",
     "Tell me one interesting fact about octopuses.",
-    "What is a good way to start learning to cook?",
+    "What is a good way to start learning to cook at home?",
 ]
 
 
