@@ -52,7 +52,7 @@ def test_full_by_count_by_recent_voice_to_voice_and_by_the_queue_wait_of_confirm
     clock.t += 61  # those figures have aged out: the load has passed
     assert gate.full() is None
     first_wait[0] = 0.6  # confirmed turns queue for over half the target
-    assert gate.full() == "load"
+    assert gate.full() == "load" and "queue 600 ms" in gate.explain("load")
     first_wait[0] = 0.0
     for _ in range(16):
         gate.voice_to_voice(0.7)  # fast replies now

@@ -73,6 +73,7 @@ class Admission:
         self.policy, self.wait_s, self.snapshot, self.clock = policy, wait_s, snapshot, clock
         self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (when, voice-to-voice s)
         self._changed: asyncio.Event | None = None
+        self.load = ""  # what made it full by load, the last time it was
 
     # -- what the server tells it --------------------------------------------------------------
 
@@ -92,7 +93,8 @@ class Admission:
         return [v for t, v in list(self.recent) if t >= cutoff]
 
     def full(self) -> str | None:
-        """Why one more session cannot be served now ("count" or "load"), None when it can."""
+        """Why one more session cannot be served now ("count" or "load"), None when it can; what the
+        load was is kept for explain()."""
         live = self.sessions()
         if live >= self.max_sessions:
             return "count"
@@ -101,8 +103,11 @@ class Admission:
         target_s = self.target_ms / 1000
         recent = self.recent_v2v_s()
         if len(recent) >= MIN_FIGURES and median(recent) > target_s:
+            self.load = f"its sessions' replies start {median(recent) * 1000:.0f} ms after the user stops (median)"
             return "load"
-        if first_wait_s(self.snapshot()) > FIRST_WAIT_SHARE * target_s:
+        waited = first_wait_s(self.snapshot())
+        if waited > FIRST_WAIT_SHARE * target_s:
+            self.load = f"confirmed turns queue {waited * 1000:.0f} ms for the shared models"
             return "load"
         return None
 
@@ -110,11 +115,7 @@ class Admission:
         """The error message a refused client reads."""
         if reason == "count":
             return f"the server holds {self.max_sessions} sessions (io.max_sessions); try again later"
-        recent = self.recent_v2v_s()
-        now = f"its sessions' replies start {median(recent) * 1000:.0f} ms after the user stops (median)" \
-            if len(recent) >= MIN_FIGURES else f"confirmed turns queue {first_wait_s(self.snapshot()) * 1000:.0f} " \
-            "ms for the shared models"
-        return (f"the server is at capacity: {now}, over its io.target_ms={self.target_ms:g} budget, so "
+        return (f"the server is at capacity: {self.load}, over its io.target_ms={self.target_ms:g} budget, so "
                 "one more session would slow every one; try again later (or another server)")
 
     async def admit(self) -> str | None:
