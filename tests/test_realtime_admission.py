@@ -51,7 +51,9 @@ def test_full_by_count_by_recent_voice_to_voice_and_by_the_queue_wait_of_confirm
     assert "io.target_ms=1000" in gate.explain("load") and "1350 ms" in gate.explain("load")
     clock.t += 61  # those figures have aged out: the load has passed
     assert gate.full() is None
-    first_wait[0] = 0.6  # confirmed turns queue for over half the target
+    first_wait[0] = 0.6  # confirmed turns queued for over half the target...
+    assert gate.full() is None, "... but nothing was answered for a minute: those waits are stale"
+    gate.voice_to_voice(0.5)
     assert gate.full() == "load" and "queue 600 ms" in gate.explain("load")
     first_wait[0] = 0.0
     for _ in range(16):
@@ -66,6 +68,7 @@ def test_target_null_admits_by_count_alone_and_an_empty_server_always_takes_one(
     gate = admission(open_now, snapshot=lambda: snapshot_of(5.0))
     assert gate.full() is None  # nobody to slow down
     open_now[0] = 1
+    gate.voice_to_voice(0.5)
     assert gate.full() == "load"
     assert admission(open_now, target_ms=None, snapshot=lambda: snapshot_of(5.0)).full() is None
 

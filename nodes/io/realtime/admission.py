@@ -4,7 +4,7 @@ A server is full by count (``io.max_sessions``) or by load: its live sessions ar
 than ``io.target_ms`` (the median of the recent voice-to-voice figures, first reply audio sent
 minus the user's end of speech), or a confirmed turn's work already queues for the shared models
 (the wait of ``first`` work in ``s2s_flow.inference.snapshot()``, summed over the models a turn
-passes, is over half the target). One more session would only make every session later, so a new
+passes, is over half the target, while replies are being made). One more session would only make every session later, so a new
 connection is refused with ``session_limit_reached`` (``io.admission=refuse``) or waits, at most
 ``io.admission_wait_s``, for a session to end or the load to fall (``io.admission=wait``).
 
@@ -105,7 +105,8 @@ class Admission:
         if len(recent) >= MIN_FIGURES and median(recent) > target_s:
             self.load = f"its sessions' replies start {median(recent) * 1000:.0f} ms after the user stops (median)"
             return "load"
-        waited = first_wait_s(self.snapshot())
+        # the scheduler's waits are those of the last work done: current only while replies are
+        waited = first_wait_s(self.snapshot()) if recent else 0.0
         if waited > FIRST_WAIT_SHARE * target_s:
             self.load = f"confirmed turns queue {waited * 1000:.0f} ms for the shared models"
             return "load"
