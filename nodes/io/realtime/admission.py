@@ -4,9 +4,10 @@ A server is full by count (``io.max_sessions``) or by load: its live sessions ar
 than ``io.target_ms`` (the median of the recent voice-to-voice figures, first reply audio sent
 minus the user's end of speech), or a confirmed turn's work already queues for the shared models
 (the wait of ``first`` work in ``s2s_flow.inference.snapshot()``, summed over the models a turn
-passes, is over half the target, while replies are being made). One more session would only make every session later, so a new
-connection is refused with ``session_limit_reached`` (``io.admission=refuse``) or waits, at most
-``io.admission_wait_s``, for a session to end or the load to fall (``io.admission=wait``).
+passes, is over half the target, while replies are being made). One more session would only make
+every session later, so a new connection is refused with ``session_limit_reached``
+(``io.admission=refuse``) or waits, at most ``io.admission_wait_s``, for a session to end or the
+load to fall (``io.admission=wait``).
 
 The same snapshot feeds ``/metrics``: per model, the work queued and running, its recent queue wait
 and the work shed, by kind (``InferenceCollector``).
