@@ -1,7 +1,9 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/metrics`` (Prometheus text:
-sessions open, turns, voice-to-voice), ``/`` (a browser client). Each connection builds a
+sessions open, turns, voice-to-voice), ``/`` (a browser client), ``/healthz`` (alive) and ``/readyz``
+(accepting: 503 while draining or full). Every route passes the Origin and Host checks first
+(guard.py); SIGTERM drains (drain.py). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
 it with its own Scheduler on its own threads; models come from the process-wide cache
@@ -29,6 +31,9 @@ from typing import Any, Protocol
 
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.client_events import ClientEvents
+from nodes.io.realtime.drain import Drain, drainable_server
+from nodes.io.realtime.guard import Guard
+from nodes.io.realtime.limits import EventRate
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
 from s2s_flow.node import Context, keep_shared, require
@@ -72,6 +77,10 @@ class ServerOptions(Protocol):
     idle_timeout_s: float
     max_frame_bytes: int
     max_queued_bytes: int
+    max_events_per_s: float
+    drain_timeout_s: float
+    allowed_origins: list[str]
+    allowed_hosts: list[str]
 
     @property
     def serves(self) -> str: ...
@@ -122,6 +131,9 @@ class RealtimeServer:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._keep: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.guard = Guard(options.host, options.allowed_origins, options.allowed_hosts)
+        self.drain = Drain(options.drain_timeout_s)
         self.app = self._app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -132,7 +144,7 @@ class RealtimeServer:
         o = self.options
         config = uvicorn.Config(self.app, host=o.host, port=o.port, ws="websockets-sansio", lifespan="off",
                                 log_level="warning", ws_max_size=4 * o.max_frame_bytes, ws_ping_interval=None)
-        return uvicorn.Server(config)
+        return drainable_server(config, self.drain)
 
     def preload(self) -> None:
         """Load every shared resource once now (and keep it), so the first caller waits for nothing."""
@@ -177,6 +189,13 @@ class RealtimeServer:
         host, port = self._sock.getsockname()[:2]
         return f"ws://{host}:{port}/v1"
 
+    def begin_drain(self) -> None:
+        """What SIGTERM does (tests call it on a server of ``start()``): stop accepting, let the live
+        sessions finish up to ``io.drain_timeout_s``, close the rest, stop."""
+        if self._loop is None:
+            raise RuntimeError("the server has served no request yet: nothing to drain on")
+        self.drain.begin(self._loop, lambda: setattr(self._server, "should_exit", True))
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
@@ -202,9 +221,13 @@ class RealtimeServer:
 
         from starlette.websockets import WebSocket
 
-        site = Starlette(routes=[Route("/", page), Route("/metrics", metrics)])
+        site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
+                                 *self.drain.routes(lambda: self.open, self.options.max_sessions)])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
+            self._loop = asyncio.get_running_loop()
+            if await self.guard.refused(scope, receive, send):
+                return
             # The Realtime socket gets the server's own send(), not a middleware's wrapper: a
             # client that stops reading can only be dropped through its transport (_abort).
             if scope["type"] == "websocket" and scope.get("path") == "/v1/realtime":
@@ -241,6 +264,12 @@ class RealtimeServer:
                 await ws.close(code=1008)
             return
         await ws.accept(subprotocol=subprotocol)
+        if self.drain.draining:
+            await ws.send_text(events.encode(events.error(
+                "server_draining", "this server is shutting down and takes no new sessions; try again later "
+                "(through the balancer, another server)", type="server_error")))
+            await ws.close(code=1013, reason="try again later")
+            return
         if self.open >= self.options.max_sessions:
             await ws.send_text(events.encode(events.error(
                 "session_limit_reached", f"the server holds {self.options.max_sessions} sessions "
@@ -253,9 +282,11 @@ class RealtimeServer:
         self.metrics.sessions_total.inc()
         connection = _Connection(self, ws, send)
         self.sessions[connection.session.id] = connection.session
+        self.drain.add(connection)
         try:
             await connection.serve()
         finally:
+            self.drain.remove(connection)
             del self.sessions[connection.session.id]
             self.open -= 1
             self.metrics.sessions.dec()
@@ -271,9 +302,17 @@ class _Connection:
         self.out: asyncio.Queue[str | None] = asyncio.Queue()
         self.queued = 0  # bytes in self.out
         self.overflow = asyncio.Event()  # the client stopped reading: the session ends
+        self.shut_down: str | None = None  # why the server closes the session (drain over)
+        self.ending = asyncio.Event()
+        self.rate = EventRate(server.options.max_events_per_s)
         self.session = Session(self._emit, SessionConfig(), observe=server.metrics.observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
+
+    def shut(self, message: str) -> None:
+        """The server closes this session (on its loop): it is told with an error event, closed with 1001."""
+        self.shut_down = message
+        self.ending.set()
 
     def _emit(self, text: str) -> None:
         """Session.send, from any thread: onto the loop, into the bounded queue."""
@@ -329,12 +368,15 @@ class _Connection:
                     session.fail_unfinished(f"the session's graph failed: {error}")
                     session.send(events.error("server_error", f"the session's graph failed: {error}",
                                               type="server_error"))
+                elif self.shut_down is not None:
+                    session.fail_unfinished(self.shut_down)
+                    session.send(events.error("server_shutting_down", self.shut_down, type="server_error"))
                 session.closed = True
                 # the end marker queues behind the events already on their way (Session.send goes
                 # through the loop): the failed response and the error reach the client first
                 self.loop.call_soon(self.out.put_nowait, None)
                 await sender
-                await self._close()
+                await self._close(1001 if self.shut_down is not None else 1000)
 
     def _run_graph(self, scheduler: Any, graph: Any, run_dir: Path) -> None:
         from s2s_flow import metrics
@@ -373,9 +415,9 @@ class _Connection:
                 return
             self.queued -= len(text)
 
-    async def _close(self) -> None:
+    async def _close(self, code: int = 1000) -> None:
         with contextlib.suppress(Exception):
-            await self.ws.close()
+            await self.ws.close(code=code)
 
     async def _drop(self, code: int, reason: str, error: dict[str, Any]) -> None:
         """Close a client that does not read: it gets the error event and the close frame if it reads
@@ -399,17 +441,19 @@ class _Connection:
         idle = self.server.options.idle_timeout_s
         recv: asyncio.Task | None = None
         overflow = asyncio.ensure_future(self.overflow.wait())
+        ending = asyncio.ensure_future(self.ending.wait())
         try:
             while True:
                 if recv is None:
+                    await self._pace()
                     recv = asyncio.ensure_future(self.ws.receive())
-                finished, _ = await asyncio.wait({recv, self.done, overflow}, timeout=idle,
+                finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=idle,
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
                     self.session.send(events.error("idle_timeout", f"no client event for {idle:g} s "
                                                    "(io.idle_timeout_s): the session ends", type="server_error"))
                     return
-                if recv not in finished:  # the graph ended (failed), or the client stopped reading
+                if recv not in finished:  # the graph ended (failed), the client stopped reading, the drain is over
                     return
                 message, recv = recv.result(), None
                 if message["type"] == "websocket.disconnect":
@@ -417,8 +461,22 @@ class _Connection:
                 self.handlers.receive(message.get("text"))
         finally:
             overflow.cancel()
+            ending.cancel()
             if recv is not None:
                 recv.cancel()
+
+
+    async def _pace(self) -> None:
+        """Read the next event no sooner than ``io.max_events_per_s`` allows (limits.py)."""
+        wait = self.rate.delay()
+        if not wait:
+            return
+        if not self.rate.limited:
+            self.rate.limited = True
+            self.session.send(events.error(
+                "rate_limited", f"events arrive faster than io.max_events_per_s={self.rate.rate:g}: they are read "
+                "at that rate (the session goes on); send audio in larger appends", type="invalid_request_error"))
+        await asyncio.sleep(wait)
 
 
 def _transport(send: Any) -> Any:
