@@ -203,7 +203,7 @@ def test_a_session_still_live_when_the_drain_time_is_over_is_told_and_closed(lla
 
 
 def test_a_client_flooding_small_events_is_told_and_slowed_and_its_session_goes_on(llama, tmp_path):  # noqa: F811
-    tiny = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"})
+    tiny = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="})
     with serving(llama, tmp_path, "io.max_events_per_s=20") as (url, server):  # 40 at once, then 20 a second
         with _raw(url) as ws:
             _next(ws, "session.created")
@@ -214,6 +214,26 @@ def test_a_client_flooding_small_events_is_told_and_slowed_and_its_session_goes_
             assert error["code"] == "rate_limited" and "io.max_events_per_s=20" in error["message"]
             last = _next(ws, "error")["error"]
             assert last["event_id"] == "evt_last", "every event was read, in order: the session went on"
+        until(lambda: server.open == 0, what="the session to end")
+
+
+def test_a_client_that_keeps_flooding_is_closed_with_1008(llama, tmp_path, monkeypatch):  # noqa: F811
+    from nodes.io.realtime import limits
+
+    monkeypatch.setattr(limits, "GRACE_S", 1.0)  # 10 s as shipped
+    tiny = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="})
+    with serving(llama, tmp_path, "io.max_events_per_s=20") as (url, server):
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            for _ in range(200):  # 40 at once, then 20 a second: over the rate for longer than the grace
+                ws.send(tiny)
+            kinds = []
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                while True:
+                    event = json.loads(ws.recv(timeout=60))
+                    kinds.append(event["error"]["code"] if event["type"] == "error" else event["type"])
+            assert kinds == ["rate_limited", "rate_limited"], "told as it went over, and as it was closed"
+            assert closed.value.rcvd.code == 1008
         until(lambda: server.open == 0, what="the session to end")
 
 

@@ -302,17 +302,20 @@ class _Connection:
         self.out: asyncio.Queue[str | None] = asyncio.Queue()
         self.queued = 0  # bytes in self.out
         self.overflow = asyncio.Event()  # the client stopped reading: the session ends
-        self.shut_down: str | None = None  # why the server closes the session (drain over)
+        self.ended: tuple[int, str, str] | None = None  # the server closes the session: (close code, error, why)
         self.ending = asyncio.Event()
         self.rate = EventRate(server.options.max_events_per_s)
         self.session = Session(self._emit, SessionConfig(), observe=server.metrics.observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
 
-    def shut(self, message: str) -> None:
-        """The server closes this session (on its loop): it is told with an error event, closed with 1001."""
-        self.shut_down = message
+    def shut(self, message: str, code: int = 1001, error: str = "server_shutting_down") -> None:
+        """The server closes this session (on its loop): it is told with an error event, then closed."""
+        self.ended = (code, error, message)
         self.ending.set()
+
+    def _warn(self, code: str, message: str) -> None:
+        self.session.send(events.error(code, message, type="invalid_request_error"))
 
     def _emit(self, text: str) -> None:
         """Session.send, from any thread: onto the loop, into the bounded queue."""
@@ -368,15 +371,15 @@ class _Connection:
                     session.fail_unfinished(f"the session's graph failed: {error}")
                     session.send(events.error("server_error", f"the session's graph failed: {error}",
                                               type="server_error"))
-                elif self.shut_down is not None:
-                    session.fail_unfinished(self.shut_down)
-                    session.send(events.error("server_shutting_down", self.shut_down, type="server_error"))
+                elif self.ended is not None:
+                    session.fail_unfinished(self.ended[2])
+                    session.send(events.error(self.ended[1], self.ended[2], type="server_error"))
                 session.closed = True
                 # the end marker queues behind the events already on their way (Session.send goes
                 # through the loop): the failed response and the error reach the client first
                 self.loop.call_soon(self.out.put_nowait, None)
                 await sender
-                await self._close(1001 if self.shut_down is not None else 1000)
+                await self._close(self.ended[0] if self.ended is not None else 1000)
 
     def _run_graph(self, scheduler: Any, graph: Any, run_dir: Path) -> None:
         from s2s_flow import metrics
@@ -445,7 +448,10 @@ class _Connection:
         try:
             while True:
                 if recv is None:
-                    await self._pace()
+                    closing = await self.rate.wait(self._warn)
+                    if closing is not None:
+                        self.shut(closing, 1008, "rate_limited")
+                        return
                     recv = asyncio.ensure_future(self.ws.receive())
                 finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=idle,
                                                  return_when=asyncio.FIRST_COMPLETED)
@@ -464,19 +470,6 @@ class _Connection:
             ending.cancel()
             if recv is not None:
                 recv.cancel()
-
-
-    async def _pace(self) -> None:
-        """Read the next event no sooner than ``io.max_events_per_s`` allows (limits.py)."""
-        wait = self.rate.delay()
-        if not wait:
-            return
-        if not self.rate.limited:
-            self.rate.limited = True
-            self.session.send(events.error(
-                "rate_limited", f"events arrive faster than io.max_events_per_s={self.rate.rate:g}: they are read "
-                "at that rate (the session goes on); send audio in larger appends", type="invalid_request_error"))
-        await asyncio.sleep(wait)
 
 
 def _transport(send: Any) -> Any:
