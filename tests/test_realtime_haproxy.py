@@ -59,10 +59,11 @@ def states(stats_url: str) -> dict[str, str]:
             if row["pxname"] == "s2s" and row["svname"] in ("s1", "s2")}
 
 
-def connect(url: str) -> Any:
+def connect(stack: contextlib.ExitStack, url: str) -> Any:
+    """A session through the balancer, closed with ``stack``."""
     from websockets.sync.client import connect as ws_connect
 
-    ws = ws_connect(f"{url}/realtime", open_timeout=30)
+    ws = stack.enter_context(ws_connect(f"{url}/realtime", open_timeout=30))
     assert _next(ws)["type"] == "session.created"
     return ws
 
@@ -97,7 +98,7 @@ def test_two_processes_behind_haproxy_spread_drain_and_survive_a_kill(tmp_path, 
             until(lambda: states(stats) == {"s1": "UP", "s2": "UP"}, timeout=60, what="both servers up")
 
             # six sessions, spread by least connections
-            clients = [stack.enter_context(connect(url)) for _ in range(6)]
+            clients = [connect(stack, url) for _ in range(6)]
             assert (sessions(a), sessions(b)) == (3, 3)
 
             # drain a mid-reply: its live reply finishes, new sessions go to b
@@ -106,7 +107,7 @@ def test_two_processes_behind_haproxy_spread_drain_and_survive_a_kill(tmp_path, 
             _next(on_a[0], "response.created")
             a.proc.send_signal(signal.SIGTERM)
             until(lambda: states(stats).get("s1") not in (None, "UP"), timeout=60, what="haproxy to take a out")
-            late = [stack.enter_context(connect(url)) for _ in range(2)]
+            late = [connect(stack, url) for _ in range(2)]
             assert sessions(b) == 5, "new sessions went to the other process"
             reply(on_a[0])
             for ws in on_a:
@@ -116,7 +117,7 @@ def test_two_processes_behind_haproxy_spread_drain_and_survive_a_kill(tmp_path, 
             # a comes back; b is killed mid-reply: its clients are closed and reconnect to a
             a2 = stack.enter_context(realtime_process(tmp_path / "a2", *common, port=ports[0]))
             until(lambda: states(stats).get("s1") == "UP", timeout=60, what="haproxy to take a back")
-            on_a2 = [stack.enter_context(connect(url)) for _ in range(2)]
+            on_a2 = [connect(stack, url) for _ in range(2)]
             assert sessions(a2) == 2
             on_b = [clients[1], clients[3], clients[5], *late]
             speak(on_a2[0])
@@ -129,7 +130,7 @@ def test_two_processes_behind_haproxy_spread_drain_and_survive_a_kill(tmp_path, 
                 with pytest.raises(websockets.exceptions.ConnectionClosed):
                     while True:
                         ws.recv(timeout=60)
-            back = [stack.enter_context(connect(url)) for _ in on_b]  # before haproxy's check notices
+            back = [connect(stack, url) for _ in on_b]  # before haproxy's check notices
             assert sessions(a2) == 2 + len(back), "every client of b reconnected to a"
             reply(on_a2[0])  # a's own sessions lost nothing: the reply in flight completes
             speak(on_a2[1])
