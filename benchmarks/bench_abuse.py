@@ -6,14 +6,15 @@ Run: python benchmarks/bench_abuse.py [--prompts 6] [--abuse idle flood frames s
 
 The server is its own process (its RSS and threads are read with psutil); the normal client plays
 the bench=latency corpus at a microphone's pace (benchmarks/bench_realtime.py's client) and measures
-voice-to-voice (first reply audio received - the prompt's true end of speech). Each abuser runs in a
+voice-to-voice (first reply audio received - the prompt's true end of speech); refused for want of a
+slot (the abuser's connections hold them), it retries, and the refusals are counted. Each abuser runs in a
 process of its own meanwhile, for as long as the normal client plays:
 
 - idle:   20 connections that never send anything (closed by io.idle_timeout_s, set to 5 s here)
 - flood:  one client sending 1,000 small events a second (read at io.max_events_per_s, told once)
 - frames: 10 MB frames, one after another, reconnecting after each close (1009: message too big)
-- storm:  200 connections in 10 s, each opened, its first event read, closed (sessions or
-          session_limit_reached at io.max_sessions)
+- storm:  200 connections in 10 s (up to 32 at once), each opened, its first event read, closed
+          (sessions, or session_limit_reached past io.max_sessions, 24 here)
 - stall:  a client that asks for a long reply and stops reading (send_queue_full at io.max_queued_bytes)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads; each
@@ -173,16 +174,23 @@ def settle(served: Any, timeout: float = 120.0) -> None:
     time.sleep(2.0)
 
 
-async def normal_session(url: str, prompts: list[tuple[np.ndarray, float]]) -> list[float]:
+async def normal_session(url: str, prompts: list[tuple[np.ndarray, float]], refused: Counter) -> list[float]:
+    """One connection per prompt, as bench_realtime.py; a client refused (session_limit_reached: the
+    abuser holds the slots) retries, as a real one would, and ``refused`` counts it."""
     import websockets
 
     v2v = []
-    for pcm, end_s in prompts:  # one connection per prompt, as bench_realtime.py
-        async with websockets.connect(f"{url}/realtime", max_size=None, open_timeout=60) as ws:
-            await ws.recv()  # session.created
-            turn = await one_prompt(ws, pcm, end_s, forget=False)
-            if turn is not None:
-                v2v.append(turn["v2v"])
+    for pcm, end_s in prompts:
+        while True:
+            async with websockets.connect(f"{url}/realtime", max_size=None, open_timeout=60) as ws:
+                if '"session.created"' not in await ws.recv():
+                    refused["normal_session_refused"] += 1
+                    await asyncio.sleep(0.2)
+                    continue
+                turn = await one_prompt(ws, pcm, end_s, forget=False)
+                if turn is not None:
+                    v2v.append(turn["v2v"])
+                break
     return v2v
 
 
@@ -208,11 +216,11 @@ def main() -> None:
         pcm, rate = sf.read(directory / e["file"], dtype="float32")
         prompts.append((resample(pcm, rate, RATE), float(e["speech_end_s"])))
     play_s = sum(len(pcm) / RATE + 3 for pcm, _ in prompts)
-    overrides = [f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "io.idle_timeout_s=5", "io.max_sessions=8",
+    overrides = [f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "io.idle_timeout_s=5", "io.max_sessions=24",
                  *args.overrides]
     rows = []
     with realtime_process(args.out, *overrides) as served:
-        asyncio.run(normal_session(served.url, prompts[:1]))  # warm: first turns, pools
+        asyncio.run(normal_session(served.url, prompts[:1], Counter()))  # warm: first turns, pools
         settle(served)
         for phase in ["none", *args.abuse]:
             before = server_figures(served.proc.pid)
@@ -220,14 +228,15 @@ def main() -> None:
             if phase != "none":
                 abuser = subprocess.Popen([sys.executable, __file__, "--abuser", phase, served.url, str(play_s)],
                                           stdout=subprocess.PIPE, text=True)
-            v2v = asyncio.run(normal_session(served.url, prompts))
+            refused: Counter[str] = Counter()
+            v2v = asyncio.run(normal_session(served.url, prompts, refused))
             answered = json.loads(abuser.communicate(timeout=900)[0] or "{}") if abuser else {}
             settle(served)
             after = server_figures(served.proc.pid)
             rows.append({"abuse": phase, "turns": len(v2v), "v2v_p50_ms": p(v2v, 50), "v2v_p95_ms": p(v2v, 95),
                          "rss_mb_before": before["rss_mb"], "rss_mb_after": after["rss_mb"],
                          "threads_before": before["threads"], "threads_after": after["threads"],
-                         "answered": answered})
+                         "answered": answered, **refused})
             print(json.dumps(rows[-1]), flush=True)
     print("\n| abuse | turns | v2v p50 / p95 ms | RSS MB before / after | threads before / after |")
     print("|---|---|---|---|---|")
