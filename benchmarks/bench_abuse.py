@@ -148,7 +148,7 @@ def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
             sock.connect((host, int(port)))
             with _sync(url, sock=sock, max_queue=1) as ws:
                 _first(ws)
-                pcm = (np.clip(spoken(STORY), -1, 1) * 32767).astype("<i2").tobytes()
+                pcm = spoken(STORY)  # PCM16 at 24 kHz
                 for i in range(0, len(pcm), 9600):
                     ws.send(json.dumps({"type": "input_audio_buffer.append",
                                         "audio": base64.b64encode(pcm[i : i + 9600]).decode()}))
