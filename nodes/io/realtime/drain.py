@@ -11,6 +11,7 @@ A first SIGINT (Ctrl-C at a terminal) stops at once too, as uvicorn does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 __all__ = ["Drain", "drainable_server"]
 
 log = logging.getLogger("s2s_flow.realtime")
+CLOSE_WAIT_S = 10.0  # after the drain time: how long the closed sessions may take to end
 
 
 class Drain:
@@ -82,8 +84,9 @@ class Drain:
             for connection in list(self.connections):
                 connection.shut(message)
             self._empty.clear()
-            if self.connections:
-                await self._empty.wait()
+            if self.connections:  # told and closed; one that does not read is cut by the shutdown
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._empty.wait(), CLOSE_WAIT_S)
         stop()
 
 
