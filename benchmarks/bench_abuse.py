@@ -16,7 +16,7 @@ process of its own meanwhile, for as long as the normal client plays:
 - storm:  200 connections in 10 s (up to 32 at once), each opened, its first event read, closed
           (sessions, or session_limit_reached past io.max_sessions, 24 here)
 - stall:  a client that asks for a long reply and stops reading (send_queue_full at io.max_queued_bytes,
-          256 kB here: 4 s of reply audio)
+          1 MiB here: ~12 s of reply audio)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads; each
 abuser prints what it was answered. On a shared machine the figures are indicative only: run it
@@ -218,7 +218,7 @@ def main() -> None:
         prompts.append((resample(pcm, rate, RATE), float(e["speech_end_s"])))
     play_s = sum(len(pcm) / RATE + 3 for pcm, _ in prompts)
     overrides = [f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "io.idle_timeout_s=5", "io.max_sessions=24",
-                 "io.max_queued_bytes=262144", *args.overrides]
+                 "io.max_queued_bytes=1048576", *args.overrides]
     rows = []
     with realtime_process(args.out, *overrides) as served:
         asyncio.run(normal_session(served.url, prompts[:1], Counter()))  # warm: first turns, pools
