@@ -16,6 +16,8 @@ import logging
 import signal
 from typing import Any
 
+from nodes.io.realtime import protocol as events
+
 __all__ = ["Drain", "drainable_server"]
 
 log = logging.getLogger("s2s_flow.realtime")
@@ -55,6 +57,16 @@ class Drain:
             return JSONResponse({"status": state, "sessions": n}, status_code=200 if state == "ready" else 503)
 
         return [Route("/healthz", healthz), Route("/readyz", readyz)]
+
+    async def turned_away(self, ws: Any) -> bool:
+        """While draining, a new (accepted) WebSocket is told and closed with 1013: True."""
+        if not self.draining:
+            return False
+        await ws.send_text(events.encode(events.error(
+            "server_draining", "this server is shutting down and takes no new sessions; try again later "
+            "(through the balancer, another server)", type="server_error")))
+        await ws.close(code=1013, reason="try again later")
+        return True
 
     def begin(self, loop: asyncio.AbstractEventLoop, stop: Any) -> None:
         """Start draining, from any thread (a signal handler, a test): ``stop()`` ends the server after."""

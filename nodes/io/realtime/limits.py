@@ -13,6 +13,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from nodes.io.realtime import protocol as events
+
 __all__ = ["EventRate", "GRACE_S"]
 
 GRACE_S = 10.0  # seconds a client may stay over the rate before it is closed
@@ -46,9 +48,9 @@ class EventRate:
         """Over the rate for longer than ``GRACE_S``: the client floods, it does not burst."""
         return self.limited_since is not None and time.monotonic() - self.limited_since > GRACE_S
 
-    async def wait(self, warn: Callable[[str, str], None]) -> str | None:
-        """Before reading the next event: wait as the rate says, warning the client (``warn(code,
-        message)``) as it goes over; the message to close it with once it floods, else None."""
+    async def wait(self, send: Callable[[dict], None]) -> str | None:
+        """Before reading the next event: wait as the rate says, telling the client (``send``, an error
+        event) as it goes over; the message to close it with once it floods, else None."""
         limited = self.limited_since is not None
         wait = self.delay()
         if not wait:
@@ -58,7 +60,7 @@ class EventRate:
             return (f"events kept arriving faster than {limit} for over {GRACE_S:g} s: the session was closed; "
                     "send audio in larger appends (e.g. 100 ms each)")
         if not limited:
-            warn("rate_limited", f"events arrive faster than {limit}: they are read at that rate (the session "
-                 "goes on); send audio in larger appends")
+            send(events.error("rate_limited", f"events arrive faster than {limit}: they are read at that rate "
+                              "(the session goes on); send audio in larger appends", type="invalid_request_error"))
         await asyncio.sleep(wait)
         return None

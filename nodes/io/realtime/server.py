@@ -212,8 +212,7 @@ class RealtimeServer:
         return f"ws://{host}:{port}/v1"
 
     def begin_drain(self) -> None:
-        """What SIGTERM does (tests call it on a server of ``start()``): stop accepting, let the live
-        sessions finish up to ``io.drain_timeout_s``, close the rest, stop."""
+        """What SIGTERM does (drain.py), for a server of ``start()`` (tests)."""
         if self._loop is None:
             raise RuntimeError("the server has served no request yet: nothing to drain on")
         self.drain.begin(self._loop, lambda: setattr(self._server, "should_exit", True))
@@ -286,11 +285,7 @@ class RealtimeServer:
                 await ws.close(code=1008)
             return
         await ws.accept(subprotocol=subprotocol)
-        if self.drain.draining:
-            await ws.send_text(events.encode(events.error(
-                "server_draining", "this server is shutting down and takes no new sessions; try again later "
-                "(through the balancer, another server)", type="server_error")))
-            await ws.close(code=1013, reason="try again later")
+        if await self.drain.turned_away(ws):
             return
         if self.open >= self.options.max_sessions:
             await ws.send_text(events.encode(events.error(
@@ -335,9 +330,6 @@ class _Connection:
         """The server closes this session (on its loop): it is told with an error event, then closed."""
         self.ended = (code, error, message)
         self.ending.set()
-
-    def _warn(self, code: str, message: str) -> None:
-        self.session.send(events.error(code, message, type="invalid_request_error"))
 
     def _emit(self, text: str) -> None:
         """Session.send, from any thread: onto the loop, into the bounded queue."""
@@ -470,7 +462,7 @@ class _Connection:
         try:
             while True:
                 if recv is None:
-                    closing = await self.rate.wait(self._warn)
+                    closing = await self.rate.wait(self.session.send)
                     if closing is not None:
                         self.shut(closing, 1008, "rate_limited")
                         return
