@@ -18,8 +18,10 @@ process of its own meanwhile, for as long as the normal client plays:
 - stall:  a client that asks for a long reply and stops reading (send_queue_full at io.max_queued_bytes,
           1 MiB here: ~12 s of reply audio)
 
-After each phase the bench waits for the server's sessions to end and prints RSS and threads; each
-abuser prints what it was answered. On a shared machine the figures are indicative only: run it
+After each phase the bench waits for the server's sessions to end and prints RSS and threads, and
+the CPU seconds the phase cost the server (with its llama-server) and the abuser: on a machine
+of few cores the abuser's own work (a 10 MB frame built and masked, 200 handshakes) competes with
+the server's. Each abuser prints what it was answered. On a shared machine the figures are indicative only: run it
 in a quiet window.
 """
 
@@ -162,10 +164,12 @@ def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
 
 
 def server_figures(pid: int) -> dict[str, float]:
+    """The s2s-run process's RSS and threads, and the CPU seconds of it and its llama-server so far."""
     import psutil
 
     proc = psutil.Process(pid)
-    return {"rss_mb": round(proc.memory_info().rss / 2**20, 1), "threads": proc.num_threads()}
+    cpu = sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+    return {"rss_mb": round(proc.memory_info().rss / 2**20, 1), "threads": proc.num_threads(), "cpu_s": cpu}
 
 
 def settle(served: Any, timeout: float = 120.0) -> None:
@@ -205,8 +209,12 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.abuser:
+        import resource
+
         kind, url, seconds = args.abuser
-        print(json.dumps(abuse(kind, url, float(seconds))))
+        answered = abuse(kind, url, float(seconds))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        print(json.dumps({**answered, "abuser_cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}))
         return
     import soundfile as sf
 
@@ -238,13 +246,16 @@ def main() -> None:
             rows.append({"abuse": phase, "turns": len(v2v), "v2v_p50_ms": p(v2v, 50), "v2v_p95_ms": p(v2v, 95),
                          "rss_mb_before": before["rss_mb"], "rss_mb_after": after["rss_mb"],
                          "threads_before": before["threads"], "threads_after": after["threads"],
+                         "server_cpu_s": round(after["cpu_s"] - before["cpu_s"], 1),
                          "answered": answered, **refused})
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| abuse | turns | v2v p50 / p95 ms | RSS MB before / after | threads before / after |")
-    print("|---|---|---|---|---|")
+    print("\n| abuse | turns | v2v p50 / p95 ms | RSS MB before / after | threads before / after "
+          "| CPU s: server / abuser |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['abuse']} | {r['turns']} | {r['v2v_p50_ms']} / {r['v2v_p95_ms']} | "
-              f"{r['rss_mb_before']} / {r['rss_mb_after']} | {r['threads_before']} / {r['threads_after']} |")
+              f"{r['rss_mb_before']} / {r['rss_mb_after']} | {r['threads_before']} / {r['threads_after']} | "
+              f"{r['server_cpu_s']} / {r['answered'].get('abuser_cpu_s', '-')} |")
 
 
 if __name__ == "__main__":

@@ -235,6 +235,8 @@ def test_a_client_that_keeps_flooding_is_closed_with_1008(llama, tmp_path, monke
             assert kinds == ["rate_limited", "rate_limited"], "told as it went over, and as it was closed"
             assert closed.value.rcvd.code == 1008
         until(lambda: server.open == 0, what="the session to end")
+        dropped = server.metrics.registry.get_sample_value("s2s_sessions_dropped_total", {"reason": "rate_limited"})
+        assert dropped == 1
 
 
 def test_a_10_mb_frame_closes_its_connection_with_1009_and_the_others_go_on(llama, tmp_path):  # noqa: F811

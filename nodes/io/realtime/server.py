@@ -385,7 +385,8 @@ class _Connection:
                     session.fail_unfinished(f"the session's graph failed: {error}")
                     session.send(events.error("server_error", f"the session's graph failed: {error}",
                                               type="server_error"))
-                elif self.ended is not None:
+                elif self.ended is not None:  # counted as s2s_sessions_dropped_total{reason=rate_limited|...}
+                    self.server.metrics.dropped.labels(self.ended[1]).inc()
                     session.fail_unfinished(self.ended[2])
                     session.send(events.error(self.ended[1], self.ended[2], type="server_error"))
                 session.closed = True
