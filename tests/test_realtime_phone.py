@@ -154,10 +154,12 @@ class Phone:
     voice: bytearray = field(default_factory=bytearray)  # the caller's speech still to send
     queue: list[tuple[str, Any]] = field(default_factory=list)  # ("audio", bytes) / ("mark", name) to play
     played: list[bytes] = field(default_factory=list)  # per reply (a clear starts the next): audio played
-    echoed: list[str] = field(default_factory=list)
+    echoed: list[str] = field(default_factory=list)  # every mark echoed
+    reached: list[str] = field(default_factory=list)  # ... of those, the marks playback reached (not dropped)
     events: list[tuple[str, int]] = field(default_factory=list)  # (event, frames sent so far)
     frames: int = 0
     sequence: int = 0
+    playing: bool = True
 
     async def send(self, message: dict[str, Any]) -> None:
         self.sequence += 1
@@ -179,10 +181,11 @@ class Phone:
         await self.send({"event": "media", "streamSid": self.stream_sid, "media": {
             "track": "inbound", "chunk": str(self.frames), "timestamp": str(20 * self.frames),
             "payload": base64.b64encode(frame).decode()}})
-        budget = FRAME
+        budget = FRAME if self.playing else 0
         while self.queue and (self.queue[0][0] == "mark" or budget):
             kind, value = self.queue.pop(0)
             if kind == "mark":
+                self.reached.append(value)
                 await self._echo(value)
                 continue
             piece, rest = value[:budget], value[budget:]
@@ -216,7 +219,7 @@ class Phone:
                 self.queue.append(("mark", message["mark"]["name"]))
             elif kind == "clear":  # what was not played is dropped; its marks come back
                 dropped = [value for k, value in self.queue if k == "mark"]
-                self.queue = []
+                self.queue, self.playing = [], True
                 self.played.append(b"")
                 for name in dropped:
                     await self._echo(name)
@@ -228,7 +231,7 @@ class Phone:
 
 
 def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, tmp_path):
-    """The caller asks for a story over a Media Stream, listens a second, and talks over it: the
+    """The caller asks for a story over a Media Stream, listens a moment, and talks over it: the
     server cleared Twilio's queue (``clear``), truncated the reply to what the echoed marks say
     was played, and answered the new question; both replies, played at 8 kHz mu-law, are what
     Whisper hears of the server's transcripts."""
@@ -238,11 +241,16 @@ def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, t
             await phone.open()
             listener = asyncio.create_task(phone.listen())
             phone.voice += said(ASK, "audio/pcmu")
-            while phone.played_ms(0) < 1000:  # the reply plays for a second, then the caller talks
+            while phone.played_ms(0) < 1500:  # the reply plays for a second and a half
                 await phone.tick()
                 await asyncio.sleep(0.02)
-            talk_over = phone.frames
             session = next(iter(server.sessions.values()))
+            first = next(iter(session.responses.values()))
+            phone.playing = False  # a stall (the network's): the caller hears no more until the clear
+            while not any(start >= phone.played_ms(0) for start, _ in first.sentences):
+                await phone.tick()  # until a piece was sent that the caller has not heard begin
+                await asyncio.sleep(0.02)
+            talk_over = phone.frames
             phone.voice += said(TALK_OVER, "audio/pcmu")
             while len(session.responses) < 2 or not all(r.done for r in session.responses.values()):
                 await phone.tick()
@@ -274,11 +282,11 @@ def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, t
     user = [m["content"] for m in requests[-1]["messages"] if m["role"] == "user"]
     assert "dragon" in user[0].lower() and "france" in user[-1].lower(), user
     kept = [m["content"] for m in requests[-1]["messages"] if m["role"] == "assistant"]
-    played = {int(n.rpartition(":")[2]) for n in phone.echoed if n.startswith(first.item_id)}
-    assert kept[0] in {first.heard(ms) for ms in played | {0}}, "the history keeps what the caller heard"
+    played = max(int(n.rpartition(":")[2]) for n in phone.reached if n.startswith(first.item_id))
+    assert kept[0] == first.heard(played), "the history keeps what the caller heard (not what a clear dropped)"
     assert kept[0] != first.heard(), "not all that was sent"
 
     heard_first = transcribe(_from(phone.played[0], "audio/pcmu"), PHONE_RATE)
-    assert words_recovered(heard_first, first.text) >= 0.7, (first.text, heard_first)  # its last words cut
+    assert words_recovered(heard_first, first.text) >= 0.6, (first.text, heard_first)  # its last word cut
     heard_second = transcribe(_from(phone.played[1], "audio/pcmu"), PHONE_RATE)
     assert second.text.strip() and word_error_rate(second.text, heard_second) <= 0.35, (second.text, heard_second)
