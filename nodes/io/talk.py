@@ -66,6 +66,8 @@ class _Reply:
         self.resample = StreamResampler(RATE, out_rate)
         self.sent_ms = 0.0  # audio the server sent (its 24 kHz ms: what a truncate counts in)
         self.text, self.shown = "", 0  # its transcript, and how much of it is on screen
+        self.done = False  # its response.done came
+        self.cut_ms: int | None = None  # a barge-in stopped it here: the truncate to send once it is done
 
 
 class Talk:
@@ -232,7 +234,10 @@ class Talk:
         reply = self.replies.get(response.get("id", ""))
         if reply is None:
             return
+        reply.done = True
         self._show(reply, final=True)
+        if reply.cut_ms is not None:
+            self._truncate(reply)
         tail = reply.resample(np.zeros(0, np.float32), last=True)
         self.player.add(reply.turn, tail, "")
         self.player.end(reply.turn)
@@ -248,10 +253,15 @@ class Talk:
             words = reply.text.split()
             heard = " ".join(words[: int(len(words) * played_ms / reply.sent_ms)]) if reply.sent_ms else ""
             self.view.interrupted(heard)
-            if reply.item_id is not None:
-                asyncio.get_running_loop().create_task(self.ws.send(json.dumps({
-                    "type": "conversation.item.truncate", "item_id": reply.item_id, "content_index": 0,
-                    "audio_end_ms": int(played_ms)})))
+            reply.cut_ms = int(played_ms)
+            if reply.done:  # else once the server has ended it: a server that ends it later keeps the truncate
+                self._truncate(reply)
+
+    def _truncate(self, reply: _Reply) -> None:
+        if reply.item_id is not None and reply.cut_ms is not None:
+            asyncio.get_running_loop().create_task(self.ws.send(json.dumps({
+                "type": "conversation.item.truncate", "item_id": reply.item_id, "content_index": 0,
+                "audio_end_ms": reply.cut_ms})))
 
 
 def main(argv: list[str] | None = None) -> int:
