@@ -290,3 +290,33 @@ def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, t
     assert words_recovered(heard_first, first.text) >= 0.6, (first.text, heard_first)  # its last word cut
     heard_second = transcribe(_from(phone.played[1], "audio/pcmu"), PHONE_RATE)
     assert second.text.strip() and word_error_rate(second.text, heard_second) <= 0.35, (second.text, heard_second)
+
+
+def test_with_an_auth_token_a_call_needs_twilios_signature(smollm2_server, tmp_path, monkeypatch):
+    """Twilio signs the stream's URL (HMAC-SHA1 with the account's auth token): a call without the
+    signature, or with a wrong one, is refused with 401; a signed one is served; so is the bearer key."""
+    from websockets.sync.client import connect
+
+    from nodes.io.realtime.twilio import twilio_signature
+
+    monkeypatch.delenv("TWILIO_AUTH_TOKEN", raising=False)
+    with serving(smollm2_server, tmp_path, "io.api_key=sesame", "io.twilio.auth_token=tw-token-93") as (url, _):
+        host = url.removeprefix("ws://").split("/")[0]
+        good = twilio_signature("tw-token-93", f"wss://{host}/v1/twilio")
+        for headers in ({}, {"X-Twilio-Signature": twilio_signature("other", f"wss://{host}/v1/twilio")},
+                        {"Authorization": "Bearer wrong"}):
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                connect(f"{url}/twilio", open_timeout=10, additional_headers=headers)
+            assert refused.value.response.status_code == 401
+        for headers in ({"X-Twilio-Signature": good}, {"Authorization": "Bearer sesame"}):
+            with connect(f"{url}/twilio", open_timeout=10, additional_headers=headers) as ws:
+                ws.send(json.dumps({"event": "stop", "streamSid": "MZ1", "stop": {}}))
+                with pytest.raises(websockets.exceptions.ConnectionClosedOK):
+                    ws.recv(timeout=30)  # served, then ended by the stop
+
+
+def test_the_twilio_auth_token_is_a_secret_in_every_config_the_run_writes():
+    from s2s_flow import redact
+
+    cfg, _ = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.twilio.auth_token=tw-secret-77"])
+    assert "tw-secret-77" not in json.dumps(redact.masked(cfg))
