@@ -181,3 +181,24 @@ def test_s2s_talk_barge_in_stops_playback_and_truncates_the_reply(pulse, smollm2
     assert "france" in requests[-1]["messages"][-1]["content"].lower()
     kept = [m["content"] for m in requests[-1]["messages"] if m["role"] == "assistant"]
     assert kept == [first.heard(played_ms)], "the history keeps what the user heard"
+
+
+def test_s2s_talk_is_a_console_script():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["s2s-talk"] == "nodes.io.talk:main"
+
+
+def test_s2s_talk_refused_or_unreachable_says_why_without_the_key(pulse, smollm2_server, tmp_path):
+    with serving(smollm2_server, tmp_path) as (url, _):
+        wrong = "wrong-key-3a9f7c"
+        refused = subprocess.run([sys.executable, "-m", "nodes.io.talk", "--url", f"{url}/realtime", "--api-key",
+                                  wrong], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "refused the key (HTTP 401)" in refused.stderr, refused.stderr
+    assert wrong not in refused.stdout + refused.stderr
+    gone = subprocess.run([sys.executable, "-m", "nodes.io.talk", "--url", url.replace("/v1", "/v1/realtime")],
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "S2S_API_KEY": KEY}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # the server has stopped
+    assert gone.returncode == 1 and "cannot connect to" in gone.stderr and "s2s-run" in gone.stderr, gone.stderr
