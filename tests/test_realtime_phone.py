@@ -154,6 +154,7 @@ class Phone:
     voice: bytearray = field(default_factory=bytearray)  # the caller's speech still to send
     queue: list[tuple[str, Any]] = field(default_factory=list)  # ("audio", bytes) / ("mark", name) to play
     played: list[bytes] = field(default_factory=list)  # per reply (a clear starts the next): audio played
+    received: list[int] = field(default_factory=list)  # ... and bytes of audio received
     echoed: list[str] = field(default_factory=list)  # every mark echoed
     reached: list[str] = field(default_factory=list)  # ... of those, the marks playback reached (not dropped)
     events: list[tuple[str, int]] = field(default_factory=list)  # (event, frames sent so far)
@@ -172,6 +173,7 @@ class Phone:
             "callSid": self.call_sid, "tracks": ["inbound"], "customParameters": {},
             "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}})
         self.played.append(b"")
+        self.received.append(0)
 
     async def tick(self) -> None:
         """20 ms: one media frame out, 20 ms of the queue played (marks behind it echoed)."""
@@ -215,12 +217,14 @@ class Phone:
             self.events.append((kind, self.frames))
             if kind == "media":
                 self.queue.append(("audio", base64.b64decode(message["media"]["payload"])))
+                self.received[-1] += len(self.queue[-1][1])
             elif kind == "mark":
                 self.queue.append(("mark", message["mark"]["name"]))
             elif kind == "clear":  # what was not played is dropped; its marks come back
                 dropped = [value for k, value in self.queue if k == "mark"]
                 self.queue, self.playing = [], True
                 self.played.append(b"")
+                self.received.append(0)
                 for name in dropped:
                     await self._echo(name)
             else:
@@ -256,7 +260,10 @@ def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, t
                 await phone.tick()
                 await asyncio.sleep(0.02)
                 assert not listener.done(), listener.exception()
-            await asyncio.sleep(0.5)  # the last audio and marks on their way from the server
+            second = max(session.responses.values(), key=lambda r: r.turn)
+            while phone.received[-1] < second.audio_ms * 8:  # the last audio on its way: 8 bytes a ms
+                await phone.tick()
+                await asyncio.sleep(0.02)
             await phone.play_out()
             await phone.send({"event": "stop", "streamSid": phone.stream_sid, "stop": {
                 "accountSid": "AC0123456789abcdef0123456789abcdef", "callSid": phone.call_sid}})

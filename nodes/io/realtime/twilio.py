@@ -67,6 +67,7 @@ class TwilioCall:
         self._played_ms: dict[str, int] = {}  # per reply item: ms Twilio says it played (its echoed marks)
         self._queued: set[str] = set()  # marks sent, not echoed yet: audio Twilio still has to play
         self._dropped: set[str] = set()  # marks of audio a clear dropped (Twilio echoes them too)
+        self._cleared: set[str] = set()  # reply items a clear cut: none of their audio goes out after it
 
     # -- what the Realtime connection calls ---------------------------------------------
 
@@ -180,6 +181,8 @@ class TwilioCall:
             return []
         if kind == "response.output_audio.delta":
             item = event["item_id"]
+            if item in self._cleared:
+                return []
             sent = self._sent_ms[item] = self._sent_ms.get(item, 0.0) + len(base64.b64decode(event["delta"])) / 8
             name = f"{item}:{int(sent)}"
             self._queued.add(name)
@@ -187,6 +190,7 @@ class TwilioCall:
                     {"event": "mark", "streamSid": sid, "mark": {"name": name}}]
         if kind == "input_audio_buffer.speech_started" and self._queued:
             self._dropped |= self._queued
+            self._cleared |= {name.rpartition(":")[0] for name in self._queued}
             self._queued = set()
             return [{"event": "clear", "streamSid": sid}]
         if kind == "response.done":
