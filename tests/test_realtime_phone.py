@@ -28,7 +28,7 @@ from s2s_flow.cli import plan
 from s2s_flow.compose import compose
 from tests.support.recording_proxy import recording_proxy
 from tests.support.speech import synthesize
-from tests.support.tts_checks import transcribe, word_error_rate, words_recovered
+from tests.support.tts_checks import transcribe, word_error_rate, words
 
 pytest.importorskip("starlette", reason="pip install 's2s-flow[serve]'")
 pytest.importorskip("uvicorn", reason="pip install 's2s-flow[serve]'")
@@ -42,7 +42,7 @@ PHONE_RATE = 8000
 FRAME = 160  # 20 ms of 8 kHz mu-law: what Twilio sends per media message
 SILENCE = b"\xff" * FRAME  # mu-law zero
 ASK = "Tell me a long story about a dragon who learns to cook."
-TALK_OVER = "Stop, what is the capital of France?"
+TALK_OVER = "Stop. Tell me about the city of Paris instead."  # a reply of many words, for Whisper
 INSTRUCTIONS = "You answer the phone for the Acme bakery."
 
 
@@ -237,8 +237,8 @@ class Phone:
 def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, tmp_path):
     """The caller asks for a story over a Media Stream, listens a moment, and talks over it: the
     server cleared Twilio's queue (``clear``), truncated the reply to what the echoed marks say
-    was played, and answered the new question; both replies, played at 8 kHz mu-law, are what
-    Whisper hears of the server's transcripts."""
+    was played, and answered the new question. Played at 8 kHz mu-law, the first reply opens with
+    the words its transcript does, and the second is what Whisper hears of it."""
     async def call(url: str, server: RealtimeServer) -> tuple[Phone, Any, int]:
         async with websockets.connect(f"{url}/twilio", open_timeout=10, max_size=None) as ws:
             phone = Phone(ws)
@@ -271,7 +271,7 @@ def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, t
             return phone, session, talk_over
 
     with recording_proxy(smollm2_server) as proxy, serving(
-            proxy.url, tmp_path, "llm.max_tokens=200", "vad.speculate_ms=0",
+            proxy.url, tmp_path, "llm.max_tokens=80", "vad.speculate_ms=0",
             f"io.twilio.instructions='{INSTRUCTIONS}'") as (url, server):
         phone, session, talk_over = asyncio.run(asyncio.wait_for(call(url, server), 300))
         assert server.open == 0
@@ -287,14 +287,14 @@ def test_a_twilio_call_is_answered_heard_and_cut_by_the_caller(smollm2_server, t
     requests = proxy.bodies("/chat/completions")
     assert all(INSTRUCTIONS in r["messages"][0]["content"] for r in requests), "io.twilio.instructions"
     user = [m["content"] for m in requests[-1]["messages"] if m["role"] == "user"]
-    assert "dragon" in user[0].lower() and "france" in user[-1].lower(), user
+    assert "dragon" in user[0].lower() and "paris" in user[-1].lower(), user
     kept = [m["content"] for m in requests[-1]["messages"] if m["role"] == "assistant"]
     played = max(int(n.rpartition(":")[2]) for n in phone.reached if n.startswith(first.item_id))
     assert kept[0] == first.heard(played), "the history keeps what the caller heard (not what a clear dropped)"
     assert kept[0] != first.heard(), "not all that was sent"
 
     heard_first = transcribe(_from(phone.played[0], "audio/pcmu"), PHONE_RATE)
-    assert words_recovered(heard_first, first.text) >= 0.6, (first.text, heard_first)  # its last word cut
+    assert words(heard_first)[:3] == words(first.text)[:3], (first.text, heard_first)  # the 1.5 s it played
     heard_second = transcribe(_from(phone.played[1], "audio/pcmu"), PHONE_RATE)
     assert second.text.strip() and word_error_rate(second.text, heard_second) <= 0.35, (second.text, heard_second)
 
