@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import warnings
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ import numpy as np
 import pytest
 
 from nodes.io.realtime import g711
-from s2s_flow.cli import plan
 from s2s_flow.compose import compose
+from tests.support.realtime import serving
 from tests.support.recording_proxy import recording_proxy
 from tests.support.speech import synthesize
 from tests.support.tts_checks import transcribe, word_error_rate, words
@@ -59,18 +58,6 @@ def said(text: str, fmt: str, tail_s: float = 1.0) -> bytes:
     pcm = np.concatenate([np.zeros(1600, np.float32), synthesize(text, rate=PHONE_RATE),
                           np.zeros(int(tail_s * PHONE_RATE), np.float32)])
     return g711.from_pcm16(_to_pcm16(pcm), fmt)
-
-
-@contextlib.contextmanager
-def serving(base_url: str, tmp_path, *extra: str) -> Iterator[tuple[str, RealtimeServer]]:
-    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0",
-                            f"llm.base_url={base_url}", *extra])
-    server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
-    url = server.start()
-    try:
-        yield url, server
-    finally:
-        server.stop()
 
 
 # -- the codec ------------------------------------------------------------------------------

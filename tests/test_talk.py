@@ -7,7 +7,6 @@ stack, SmolLM2 on llama-server), the client the separate process a user would ru
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -22,9 +21,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from s2s_flow.cli import plan
-from s2s_flow.compose import compose
 from tests.support.pulse import Recorder, pulse_server
+from tests.support.realtime import serving
 from tests.support.recording_proxy import recording_proxy
 from tests.support.speech import synthesize
 from tests.support.tts_checks import transcribe, word_error_rate
@@ -34,7 +32,6 @@ pytest.importorskip("websockets", reason="pip install 's2s-flow[talk]'")
 for _module in ("faster_whisper", "piper", "onnxruntime"):
     pytest.importorskip(_module, reason="the offline stack: pip install 's2s-flow[offline]'")
 
-from nodes.io.realtime.server import RealtimeServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "talk-test-key-5f1c2e"
@@ -52,16 +49,9 @@ def pulse() -> Iterator[object]:
         yield server
 
 
-@contextlib.contextmanager
-def serving(base_url: str, tmp_path: Path, *extra: str) -> Iterator[tuple[str, RealtimeServer]]:
-    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", f"io.api_key={KEY}",
-                            f"llm.base_url={base_url}", *extra])
-    server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
-    url = server.start()
-    try:
-        yield url, server
-    finally:
-        server.stop()
+def keyed(base_url: str, tmp_path: Path, *extra: str):
+    """Our server, with a key (the client sends it from $S2S_API_KEY)."""
+    return serving(base_url, tmp_path, f"io.api_key={KEY}", *extra)
 
 
 class Client:
@@ -114,7 +104,7 @@ def agent_lines(lines: list[str]) -> str:
 
 
 def test_s2s_talk_hears_the_mic_shows_both_transcripts_and_plays_the_reply(pulse, smollm2_server, tmp_path):
-    with recording_proxy(smollm2_server) as proxy, serving(proxy.url, tmp_path, "llm.max_tokens=40") as (url, server):
+    with recording_proxy(smollm2_server) as proxy, keyed(proxy.url, tmp_path, "llm.max_tokens=40") as (url, server):
         client = Client("--url", f"{url}/realtime", "--voice", "alloy", "--instructions", INSTRUCTIONS)
         try:
             client.wait_for(lambda ln: ln.startswith("session: voice"), "the session's settings")
@@ -148,7 +138,7 @@ def test_s2s_talk_barge_in_stops_playback_and_truncates_the_reply(pulse, smollm2
     """The user talks over a long reply: the client stops playing it, says so, and tells the server
     how much was played (``conversation.item.truncate``): the next request's history keeps that."""
     with recording_proxy(smollm2_server) as proxy, \
-            serving(proxy.url, tmp_path, "llm.max_tokens=200", "vad.speculate_ms=0") as (url, server):
+            keyed(proxy.url, tmp_path, "llm.max_tokens=200", "vad.speculate_ms=0") as (url, server):
         client = Client("--url", f"{url}/realtime")
         try:
             client.wait_for(lambda ln: ln.startswith("session: voice"), "the session's settings")
@@ -194,7 +184,7 @@ def test_s2s_talk_is_a_console_script():
 
 
 def test_s2s_talk_refused_or_unreachable_says_why_without_the_key(pulse, smollm2_server, tmp_path):
-    with serving(smollm2_server, tmp_path) as (url, _):
+    with keyed(smollm2_server, tmp_path) as (url, _):
         wrong = "wrong-key-3a9f7c"
         refused = subprocess.run([sys.executable, "-m", "nodes.io.talk", "--url", f"{url}/realtime", "--api-key",
                                   wrong], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
