@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -314,3 +315,26 @@ def test_the_twilio_auth_token_is_a_secret_in_every_config_the_run_writes():
 
     cfg, _ = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.twilio.auth_token=tw-secret-77"])
     assert "tw-secret-77" not in json.dumps(redact.masked(cfg))
+
+
+def test_a_voice_the_tts_cannot_speak_is_logged_and_the_call_stays_in_mu_law(smollm2_server, tmp_path, caplog):
+    from websockets.sync.client import connect
+
+    with serving(smollm2_server, tmp_path, "io.twilio.voice=no-such-voice") as (url, server), \
+            connect(f"{url}/twilio", open_timeout=10) as ws:
+        phone = {"streamSid": "MZ1"}
+        ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+        ws.send(json.dumps({**phone, "event": "start", "start": {"streamSid": "MZ1", "callSid": "CA1", "mediaFormat": {
+            "encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}))
+        for _ in range(50):  # a second of silence: the session takes it in mu-law
+            ws.send(json.dumps({**phone, "event": "media", "media": {"payload": base64.b64encode(SILENCE).decode()}}))
+        deadline = time.monotonic() + 30
+        while not any("no-such-voice" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the refused voice was not logged"
+            time.sleep(0.05)
+        config = next(iter(server.sessions.values())).config
+        assert (config.input_format, config.output_format, config.input_rate) == ("audio/pcmu", "audio/pcmu", 8000)
+        ws.send(json.dumps({**phone, "event": "stop", "stop": {}}))
+        with pytest.raises(websockets.exceptions.ConnectionClosedOK):
+            ws.recv(timeout=30)
+    assert not [r for r in caplog.records if "invalid_audio" in r.getMessage() or "not valid" in r.getMessage()]

@@ -9,8 +9,9 @@ are translated here, both ways, to the Realtime events of one session per call; 
 graph and the transport are the Realtime server's own (server.py), so a call behaves as a
 Realtime client with ``audio/pcmu`` in and out would:
 
-- ``connected``: nothing to do. ``start``: the session takes G.711 mu-law at 8 kHz both ways,
-  and ``io.twilio.voice`` / ``io.twilio.instructions`` (a ``session.update``).
+- ``connected``: nothing to do. ``start``: the session takes G.711 mu-law at 8 kHz both ways and
+  ``io.twilio.instructions`` (a ``session.update``), then ``io.twilio.voice`` (another: a voice
+  the TTS cannot speak is logged, and the call goes on with the TTS's own).
 - ``media`` (base64 mu-law, 20 ms each): ``input_audio_buffer.append`` as it is (no re-encoding).
 - the reply's audio deltas: ``media`` to Twilio, each followed by a ``mark`` named
   ``<item id>:<ms of the reply sent so far>``; Twilio echoes a mark once the audio before it
@@ -156,12 +157,13 @@ class TwilioCall:
             log.error("twilio: call %s streams %s: only audio/x-mulaw at 8000 Hz, mono is served", self.call_sid,
                       media)
         log.info("twilio: call %s, stream %s", self.call_sid, self.stream_sid)
-        output: dict[str, Any] = {"format": _PCMU}
-        if self.voice:
-            output["voice"] = self.voice
-        session: dict[str, Any] = {"type": "realtime", "audio": {"input": {"format": _PCMU}, "output": output}}
+        session: dict[str, Any] = {"type": "realtime", "audio": {"input": {"format": _PCMU},
+                                                                 "output": {"format": _PCMU}}}
         if self.instructions is not None:
             session["instructions"] = self.instructions
+        if self.voice:  # an update of its own: a voice the TTS refuses (logged) leaves the call in mu-law
+            self._injected.put_nowait(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"output": {"voice": self.voice}}}}))
         return json.dumps({"type": "session.update", "session": session})
 
     def _echoed(self, name: str) -> None:
