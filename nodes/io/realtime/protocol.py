@@ -388,8 +388,9 @@ def output_audio_transcript_done(ids: dict[str, Any], transcript: str) -> dict[s
     return {"type": "response.output_audio_transcript.done", **ids, "transcript": transcript}
 
 
-def output_audio_delta(ids: dict[str, Any], audio: bytes) -> dict[str, Any]:
-    """Audio as base64 in the session's output format (PCM16 at its rate, or G.711)."""
+def output_audio_delta(ids: dict[str, Any], pcm16: bytes, config: SessionConfig) -> dict[str, Any]:
+    """16-bit PCM at the session's output rate, as base64 in its output format (PCM16, or G.711)."""
+    audio = g711.from_pcm16(pcm16, config.output_format)
     return {"type": "response.output_audio.delta", **ids, "delta": base64.b64encode(audio).decode("ascii")}
 
 

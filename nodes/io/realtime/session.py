@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from nodes._playback import Playback
-from nodes.io.realtime import g711
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.client_tools import ClientCall, ClientTools
 from nodes.io.realtime.history import conversation_view
@@ -357,9 +356,8 @@ class Session(SessionHooks):
             if len(pcm) and resp.audio:
                 if sentence and (not resp.sentences or resp.sentences[-1][1] != sentence):
                     resp.sentences.append((resp.audio_ms, sentence))
-                data = g711.from_pcm16((np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes(),
-                                       self.config.output_format)
-                self.send(events.output_audio_delta(events.part_ids(resp.id, resp.item_id), data))
+                data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+                self.send(events.output_audio_delta(events.part_ids(resp.id, resp.item_id), data, self.config))
                 resp.audio_ms += 1000 * len(pcm) / self.config.output_rate
                 if not resp.first_audio:
                     resp.first_audio = True

@@ -17,9 +17,10 @@ Realtime client with ``audio/pcmu`` in and out would:
   ``<item id>:<ms of the reply sent so far>``; Twilio echoes a mark once the audio before it
   has played, so the last echoed mark says how much of the reply the caller heard.
 - the caller's speech starting while reply audio is queued at Twilio: ``clear`` (Twilio drops
-  what it has not played). When the cut reply's ``response.done`` comes, the item is truncated
-  (``conversation.item.truncate``) to what its echoed marks say was played: the LLM's history
-  keeps what the caller heard.
+  what it has not played), and the reply's item truncated (``conversation.item.truncate``) to
+  what its echoed marks say was played, so the LLM's history keeps what the caller heard: at
+  once if its response was done (all sent, still playing at Twilio), else after the
+  ``response.done`` of the server's own cut.
 - ``stop``: the call ended; the session ends as if the client left.
 
 Auth: Twilio cannot send a bearer key. With ``io.twilio.auth_token`` (or $TWILIO_AUTH_TOKEN) set,
@@ -69,6 +70,8 @@ class TwilioCall:
         self._queued: set[str] = set()  # marks sent, not echoed yet: audio Twilio still has to play
         self._dropped: set[str] = set()  # marks of audio a clear dropped (Twilio echoes them too)
         self._cleared: set[str] = set()  # reply items a clear cut: none of their audio goes out after it
+        self._done: set[str] = set()  # reply items whose response.done came
+        self._cut: set[str] = set()  # ... and cleared ones whose response.done has not come yet
 
     # -- what the Realtime connection calls ---------------------------------------------
 
@@ -191,25 +194,31 @@ class TwilioCall:
             return [{"event": "media", "streamSid": sid, "media": {"payload": event["delta"]}},
                     {"event": "mark", "streamSid": sid, "mark": {"name": name}}]
         if kind == "input_audio_buffer.speech_started" and self._queued:
+            cut = {name.rpartition(":")[0] for name in self._queued}
             self._dropped |= self._queued
-            self._cleared |= {name.rpartition(":")[0] for name in self._queued}
+            self._cleared |= cut
             self._queued = set()
+            for item in cut:  # a reply still being made: once the server has ended it (its cut comes first)
+                if item in self._done:
+                    self._truncate(item)
+                else:
+                    self._cut.add(item)
             return [{"event": "clear", "streamSid": sid}]
         if kind == "response.done":
-            self._cut(event["response"])
+            for item in (event["response"].get("output") or ()):
+                self._done.add(item.get("id"))
+                if item.get("id") in self._cut:
+                    self._truncate(item["id"])
         elif kind == "error":
             log.warning("twilio: call %s: %s", self.call_sid, (event.get("error") or {}).get("message"))
         return []
 
-    def _cut(self, response: dict[str, Any]) -> None:
-        """A reply cut by the caller: its item truncated to what Twilio played of it."""
-        if response.get("status") != "cancelled":
-            return
-        for item in response.get("output") or ():
-            if item.get("id") in self._sent_ms:
-                played = min(self._played_ms.get(item["id"], 0), int(self._sent_ms[item["id"]]))
-                self._injected.put_nowait(json.dumps({"type": "conversation.item.truncate", "item_id": item["id"],
-                                                      "content_index": 0, "audio_end_ms": played}))
+    def _truncate(self, item: str) -> None:
+        """A reply the caller talked over: its item truncated to what Twilio played of it."""
+        self._cut.discard(item)
+        played = min(self._played_ms.get(item, 0), int(self._sent_ms.get(item, 0)))
+        self._injected.put_nowait(json.dumps({"type": "conversation.item.truncate", "item_id": item,
+                                              "content_index": 0, "audio_end_ms": played}))
 
 
 def _frame(text: str) -> dict[str, Any]:
