@@ -24,6 +24,7 @@ from nodes._playback import playback_of
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.response import Response
 from nodes.io.realtime.session import Session
+from nodes.io.realtime.twilio import TWILIO_TOKEN_ENV
 from s2s_flow.audio import LowLatencyResampler, StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStarted, TextDelta, Transcript
@@ -77,7 +78,7 @@ class RealtimeSource(Node):
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.
     port_rings = {"audio": (128, "block")}
-    secret_params = frozenset({"api_key"})
+    secret_params = frozenset({"api_key", "twilio_auth_token"})
 
     def __init__(
         self,
@@ -96,6 +97,9 @@ class RealtimeSource(Node):
         allowed_hosts: Any = (),
         rate: int = 16000,
         chunk_ms: int = 20,
+        twilio_voice: str | None = None,
+        twilio_instructions: str | None = None,
+        twilio_auth_token: str | None = None,
     ) -> None:
         _check_rate(rate)
         if not 0 <= port <= 65535:
@@ -131,13 +135,16 @@ class RealtimeSource(Node):
         self.max_queued_bytes, self.max_events_per_s = max_queued_bytes, float(max_events_per_s)
         self.drain_timeout_s = float(drain_timeout_s)
         self.rate, self.chunk_ms = rate, chunk_ms
+        self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions
+        self.twilio_auth_token = twilio_auth_token or os.environ.get(TWILIO_TOKEN_ENV) or None
         self.session: Session | None = None
 
     @property
     def serves(self) -> str:
         """Where clients connect (shown by dry_run=true)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/)"
+        return (f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/, Twilio Media Streams: "
+                f"ws://{host}:{self.port}/v1/twilio)")
 
     def port_rate(self, port: str) -> int | None:
         return self.rate if port == "audio" else None

@@ -1,6 +1,7 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
-Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/metrics`` (Prometheus text:
+Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/twilio`` (a phone call through
+Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
 sessions open, turns, voice-to-voice), ``/`` (a browser client), ``/healthz`` (alive) and ``/readyz``
 (accepting: 503 while draining or full). Every route passes the Origin and Host checks first
 (guard.py); SIGTERM drains (drain.py). Each connection builds a
@@ -34,8 +35,10 @@ from nodes.io.realtime.client_events import ClientEvents
 from nodes.io.realtime.drain import Drain, drainable_server
 from nodes.io.realtime.guard import Guard
 from nodes.io.realtime.limits import EventRate
+from nodes.io.realtime.prometheus import ServerMetrics
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
+from nodes.io.realtime.twilio import TwilioCall
 from s2s_flow.node import Context, keep_shared, require
 
 __all__ = ["RealtimeServer"]
@@ -81,57 +84,12 @@ class ServerOptions(Protocol):
     drain_timeout_s: float
     allowed_origins: list[str]
     allowed_hosts: list[str]
+    twilio_voice: str | None
+    twilio_instructions: str | None
+    twilio_auth_token: str | None
 
     @property
     def serves(self) -> str: ...
-
-
-class _Metrics:
-    """Prometheus figures of one server (its own registry: several servers in one process)."""
-
-    def __init__(self) -> None:
-        prom = require("prometheus_client", "serve", pip_name="prometheus-client")
-        self.prom = prom
-        self.registry = prom.CollectorRegistry()
-        self.sessions = prom.Gauge("s2s_sessions_open", "Realtime sessions open now", registry=self.registry)
-        self.sessions_total = prom.Counter("s2s_sessions", "Realtime sessions accepted", registry=self.registry)
-        self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
-        self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
-                                    registry=self.registry)
-        self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "
-                                     "llm.fallback_reply, or an error event)", ["stage"], registry=self.registry)
-        self.registry.register(_RestartCollector(prom))
-        self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
-                                  "sent", registry=self.registry,
-                                  buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
-
-    def observe(self, name: str, value: float) -> None:
-        if name == "turn":
-            self.turns.inc()
-        elif name == "voice_to_voice_s":
-            self.v2v.observe(value)
-        elif name == "stage_failed":
-            self.failures.labels(str(value)).inc()
-
-    def text(self) -> bytes:
-        return self.prom.generate_latest(self.registry)
-
-
-class _RestartCollector:
-    """``s2s_model_server_restarts_total{server}``: the restarts of the recipe's model server
-    (s2s_flow/server_watch.py counts them for the whole process)."""
-
-    def __init__(self, prom: Any) -> None:
-        self._family = prom.metrics_core.CounterMetricFamily
-
-    def collect(self) -> Any:
-        from s2s_flow.server_watch import restarts
-
-        family = self._family("s2s_model_server_restarts", "Restarts of a managed model server (it exited "
-                              "or stopped answering)", labels=["server"])
-        for server, count in restarts().items():
-            family.add_metric([server], count)
-        yield family
 
 
 class RealtimeServer:
@@ -145,7 +103,7 @@ class RealtimeServer:
         require("websockets", "serve")
         self.make_graph, self.options, self.run_dir = make_graph, options, Path(run_dir)
         self.console = console
-        self.metrics = _Metrics()
+        self.metrics = ServerMetrics()
         self.open = 0
         self.sessions_run = 0
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
@@ -251,8 +209,13 @@ class RealtimeServer:
                 return
             # The Realtime socket gets the server's own send(), not a middleware's wrapper: a
             # client that stops reading can only be dropped through its transport (_abort).
-            if scope["type"] == "websocket" and scope.get("path") == "/v1/realtime":
+            path = scope.get("path")
+            if scope["type"] == "websocket" and path == "/v1/realtime":
                 await self._connection(WebSocket(scope, receive, send), send)
+            elif scope["type"] == "websocket" and path == "/v1/twilio":
+                o = self.options
+                await self._connection(TwilioCall(WebSocket(scope, receive, send), voice=o.twilio_voice,
+                                                  instructions=o.twilio_instructions), send)
             else:
                 await site(scope, receive, send)
 
@@ -273,7 +236,10 @@ class RealtimeServer:
         return ok, subprotocol
 
     async def _connection(self, ws: Any, send: Any) -> None:
-        ok, subprotocol = self._authorized(ws)
+        if isinstance(ws, TwilioCall):
+            ok, subprotocol = ws.authorized(self.options.api_key, self.options.twilio_auth_token)
+        else:
+            ok, subprotocol = self._authorized(ws)
         if not ok:
             from starlette.responses import JSONResponse
 
