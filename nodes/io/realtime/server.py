@@ -2,9 +2,10 @@
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/twilio`` (a phone call through
 Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
-sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser client), ``/healthz`` (alive) and ``/readyz``
-(accepting: 503 while draining or full). Every route passes the Origin and Host checks first
-(guard.py); SIGTERM drains (drain.py). Each connection builds a
+sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
+client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route
+passes the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is
+admitted by count and by load (admission.py). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
 it with its own Scheduler on its own threads; models come from the process-wide cache
