@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s2s_flow import inference
 from s2s_flow.errors import MissingDependency
 from s2s_flow.node import require, shared
 
@@ -86,10 +87,13 @@ def whisper_log_mel(audio: np.ndarray) -> np.ndarray:
 class SmartTurn:
     """The model, loaded once: ``probability(pcm)`` that a 16 kHz utterance is a finished turn.
 
-    Stateless between calls (onnxruntime's ``run`` is thread-safe), so every session shares one.
+    Stateless between calls (onnxruntime's ``run`` is thread-safe), so every session shares one,
+    through its scheduler (s2s_flow/inference.py): one call at a time per thread budget, a
+    session's end-of-turn decision being on its critical path (``first`` work).
     """
 
     def __init__(self, threads: int = 1) -> None:
+        self.inference = inference.scheduler(f"smart_turn:{threads}", 1)
         ort = require("onnxruntime", "vad")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
@@ -100,12 +104,14 @@ class SmartTurn:
         )
         self.probability(np.zeros(RATE // 10, np.float32))  # warm up
 
-    def probability(self, pcm: np.ndarray) -> float:
+    def probability(self, pcm: np.ndarray, *, session: inference.Session | None = None,
+                    turn: int | None = None) -> float:
         """The last 8 s of the turn (zeros in front of a shorter one), as the model was trained."""
         n = RATE * WINDOW_S
         audio = pcm[-n:] if len(pcm) >= n else np.pad(pcm, (n - len(pcm), 0))
         features = whisper_log_mel(audio)[None]
-        return float(self._session.run(None, {"input_features": features})[0].reshape(-1)[0])
+        with self.inference.slot("first", session=session, turn=turn):
+            return float(self._session.run(None, {"input_features": features})[0].reshape(-1)[0])
 
 
 def shared_smart_turn(threads: int = 1) -> SmartTurn:
