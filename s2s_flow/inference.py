@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["KINDS", "Scheduler", "Session", "Shed", "scheduler", "snapshot", "SHED_AFTER_S"]
+__all__ = ["KINDS", "Cancelled", "Scheduler", "Session", "Shed", "scheduler", "snapshot", "SHED_AFTER_S"]
 
 #: the kinds of work, in the order they are served
 KINDS = ("first", "later", "speculative", "partial")
@@ -40,6 +40,7 @@ _SHEDDABLE = frozenset({"speculative", "partial"})
 #: a speculative or partial call that waited this long for a slot is shed (the model is loaded)
 SHED_AFTER_S = 0.25
 _RECENT = 32  # queue waits averaged per kind in snapshot()
+_CANCEL_CHECK_S = 0.05  # how often a waiter that may be cancelled looks
 
 log = logging.getLogger("s2s_flow.inference")
 
@@ -50,6 +51,10 @@ class Shed(RuntimeError):
     def __init__(self, model: str, kind: str, waited_s: float) -> None:
         super().__init__(f"{model}: {kind} work shed after {waited_s:.2f} s in the queue")
         self.model, self.kind, self.waited_s = model, kind, waited_s
+
+
+class Cancelled(RuntimeError):
+    """The caller's ``cancelled()`` became true while it waited for a slot (a barge-in)."""
 
 
 class Session:
@@ -121,17 +126,18 @@ class Scheduler:
 
     @contextmanager
     def slot(self, kind: str = "first", *, deadline: float | None = None, session: Session | None = None,
-             turn: int | None = None) -> Iterator[str]:
+             turn: int | None = None, cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
         """Hold one of the model's slots for the block (yields the kind it ran as); raises
-        :class:`Shed` for speculative or partial work that waited too long."""
-        kind = self.acquire(kind, deadline=deadline, session=session, turn=turn)
+        :class:`Shed` for speculative or partial work that waited too long, :class:`Cancelled` when
+        ``cancelled()`` turned true while it waited."""
+        kind = self.acquire(kind, deadline=deadline, session=session, turn=turn, cancelled=cancelled)
         try:
             yield kind
         finally:
             self.release()
 
     def acquire(self, kind: str = "first", *, deadline: float | None = None, session: Session | None = None,
-                turn: int | None = None) -> str:
+                turn: int | None = None, cancelled: Callable[[], bool] | None = None) -> str:
         if kind not in _RANK:
             raise ValueError(f"unknown kind of inference work {kind!r}: one of {', '.join(KINDS)}")
         if session is not None:
@@ -146,15 +152,19 @@ class Scheduler:
             self._queue.append(me)
             self._grant()
             while not me.granted:
-                timeout = None
+                if cancelled is not None and cancelled():
+                    self._queue.remove(me)
+                    raise Cancelled(f"{self.name}: {me.kind} work of turn {turn} cancelled while it waited")
+                timeout = None if cancelled is None else _CANCEL_CHECK_S  # a barge-in does not notify us
                 if me.kind in _SHEDDABLE:
-                    timeout = self.shed_after_s - (time.monotonic() - me.since)
-                    if timeout <= 0:
+                    left = self.shed_after_s - (time.monotonic() - me.since)
+                    if left <= 0:
                         self._queue.remove(me)
                         self._shed[me.kind] += 1
                         waited = time.monotonic() - me.since
                         log.debug("%s: %s work of turn %s shed after %.2f s", self.name, me.kind, turn, waited)
                         raise Shed(self.name, me.kind, waited)
+                    timeout = left if timeout is None else min(timeout, left)
                 me.wake.wait(timeout)
             self._waits[me.kind].append(time.monotonic() - me.since)
             return me.kind

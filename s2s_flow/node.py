@@ -288,16 +288,16 @@ class Node:
         """How many calls the shared model runs at once (known after ``setup()``)."""
         return 1
 
-    def inference_slot(self, kind: str = "first", *, turn: int | None = None,
-                       deadline: float | None = None) -> contextlib.AbstractContextManager[str]:
+    def inference_slot(self, kind: str = "first", *, turn: int | None = None, deadline: float | None = None,
+                       cancelled: Callable[[], bool] | None = None) -> contextlib.AbstractContextManager[str]:
         """A slot of the shared model for one call (blocking; a free slot costs a lock), or a no-op
         for a node with no ``inference_key()``; raises ``inference.Shed`` for speculative or partial
-        work under load."""
+        work under load, ``inference.Cancelled`` once ``cancelled()`` (a barge-in) while it waits."""
         key = self.inference_key()
         if key is None:
             return contextlib.nullcontext(kind)
         return inference.scheduler(key, self.inference_slots()).slot(
-            kind, deadline=deadline, session=self.ctx.work, turn=turn)
+            kind, deadline=deadline, session=self.ctx.work, turn=turn, cancelled=cancelled)
 
     def port_rate(self, port: str) -> int | None:
         """Sample rate of an audio port, if fixed by the parameters (checked across edges)."""

@@ -36,9 +36,8 @@ class Requests:
     def make(self, name: str, kind: str, **kw: object) -> None:
         def run() -> None:
             try:
-                with self.sched.slot(kind, **kw) as ran_as:  # type: ignore[arg-type]
-                    with self._lock:
-                        self.granted.append(f"{name}:{ran_as}")
+                with self.sched.slot(kind, **kw) as ran_as, self._lock:  # type: ignore[arg-type]
+                    self.granted.append(f"{name}:{ran_as}")
             except Shed:
                 with self._lock:
                     self.shed.append(name)
@@ -133,9 +132,8 @@ def test_speculative_and_partial_work_is_shed_under_load_counted_and_the_caller_
     requests = Requests(sched)
     with sched.slot("first"):
         for kind in ("speculative", "partial"):
-            with pytest.raises(Shed) as shed:
-                with sched.slot(kind):
-                    pytest.fail("shed work must not run")
+            with pytest.raises(Shed) as shed, sched.slot(kind):
+                pytest.fail("shed work must not run")
             assert shed.value.kind == kind and shed.value.model == "shed"
         sched.shed_after_s = 60
         requests.make("confirmed", "first")  # confirmed work is never shed
@@ -176,3 +174,24 @@ def test_waiting_for_a_confirmation_ends_with_it_or_with_the_turns_withdrawal() 
     assert confirmed == [True]
     session.speculate(5)
     assert session.wait_confirmed(5, cancelled=lambda: True) is False  # withdrawn: the work is dropped
+
+
+def test_a_waiter_cancelled_by_a_barge_in_leaves_the_queue() -> None:
+    sched = Scheduler("cancel", slots=1)
+    barged = threading.Event()
+    outcome: list[str] = []
+
+    def wait() -> None:
+        try:
+            with sched.slot("first", cancelled=barged.is_set):
+                outcome.append("ran")
+        except inference.Cancelled:
+            outcome.append("cancelled")
+
+    with sched.slot("first"):
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        queue_behind(sched, 1)
+        barged.set()
+        waiter.join(10)
+        assert outcome == ["cancelled"] and sched.snapshot()["queued"]["first"] == 0

@@ -23,7 +23,7 @@ from nodes.llm._base import LLMBase, check_range
 from nodes.llm._conversation import Conversation, Exchange, ToolCall
 from nodes.llm._tools import forces_call
 from s2s_flow.errors import ConfigError
-from s2s_flow.inference import Shed
+from s2s_flow.inference import Cancelled, Shed
 from s2s_flow.messages import Transcript
 
 __all__ = ["LocalLLM", "SharedModel", "split_tool_calls"]
@@ -218,16 +218,24 @@ class LocalLLM(LLMBase):
     def _hold_slot(self, held: contextlib.ExitStack, turn: int) -> bool:
         """Take a slot of the shared model for the whole generation (a speculative reply's is shed
         under load: it waits for its turn's confirmation); False: the turn went stale meanwhile."""
-        cancelled = lambda: self.stale(turn) or self.ctx.stopping.is_set()  # noqa: E731
+        stop = self._stop
+        cancelled = lambda: (self.stale(turn) or self.ctx.stopping.is_set()  # noqa: E731
+                             or (stop is not None and stop.is_set()))
         while True:
             try:
-                held.enter_context(self.inference_slot("first", turn=turn))
+                held.enter_context(self.inference_slot("first", turn=turn, cancelled=cancelled))
+            except Cancelled:  # a barge-in while another session's reply was being generated
+                self.last_reply_tokens, self.last_stop = 0, "interrupted"
+                return False
             except Shed as shed:
                 self.ctx.log.debug("turn %d: %s; waiting for its confirmation", turn, shed)
                 if not self.ctx.work.wait_confirmed(turn, cancelled):
                     return False
                 continue
-            return not cancelled()
+            if cancelled():
+                self.last_reply_tokens, self.last_stop = 0, "interrupted"
+                return False
+            return True
 
     # -- the prompt cache: the backend trims and makes caches, the rest is shared ---------
 

@@ -34,7 +34,7 @@ import numpy as np
 from nodes._playback import playback_of
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
-from s2s_flow.inference import Shed
+from s2s_flow.inference import Cancelled, Shed
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node, Voiced
 
@@ -298,8 +298,11 @@ class SentenceTTS(Node, Voiced):
         speculative reply's chunk that was shed waits for the turn's confirmation (or its withdrawal)."""
         while True:
             try:
-                with self.inference_slot(kind, turn=turn, deadline=deadline):
+                with self.inference_slot(kind, turn=turn, deadline=deadline,
+                                         cancelled=lambda: self.interrupted(turn)):
                     return next(stream, _END)
+            except Cancelled:  # a barge-in while it waited
+                return _END
             except Shed as shed:
                 self.ctx.log.debug("turn %d: %s; waiting for its confirmation", turn, shed)
                 if not self.ctx.work.wait_confirmed(

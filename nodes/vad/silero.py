@@ -398,7 +398,9 @@ class SileroVAD(Node, TurnSettings):
             return True
         if self._audio_p is None and self._smart_turn is not None:
             # once per pause: a longer silence only makes the model more sure
-            self._audio_p = self._smart_turn.probability(self._turn_audio(), session=self.ctx.work, turn=self.turn)
+            # never speculative work: this decides whether the turn (speculated on or not) is over
+            with self._smart_turn.inference.slot("first", session=self.ctx.work):
+                self._audio_p = self._smart_turn.probability(self._turn_audio())
             if self._audio_p < self.turn_threshold:
                 self.ctx.log.debug("turn %d: pause, not finished by the sound (p=%.2f)", self.turn, self._audio_p)
         if self._audio_p is not None and self._audio_p < self.turn_threshold:

@@ -88,8 +88,8 @@ class SmartTurn:
     """The model, loaded once: ``probability(pcm)`` that a 16 kHz utterance is a finished turn.
 
     Stateless between calls (onnxruntime's ``run`` is thread-safe), so every session shares one,
-    through its scheduler (s2s_flow/inference.py): one call at a time per thread budget, a
-    session's end-of-turn decision being on its critical path (``first`` work).
+    asking in a slot of ``inference`` (s2s_flow/inference.py): one call at a time per thread
+    budget, a session's end-of-turn decision being on its critical path (``first`` work).
     """
 
     def __init__(self, threads: int = 1) -> None:
@@ -104,14 +104,12 @@ class SmartTurn:
         )
         self.probability(np.zeros(RATE // 10, np.float32))  # warm up
 
-    def probability(self, pcm: np.ndarray, *, session: inference.Session | None = None,
-                    turn: int | None = None) -> float:
+    def probability(self, pcm: np.ndarray) -> float:
         """The last 8 s of the turn (zeros in front of a shorter one), as the model was trained."""
         n = RATE * WINDOW_S
         audio = pcm[-n:] if len(pcm) >= n else np.pad(pcm, (n - len(pcm), 0))
         features = whisper_log_mel(audio)[None]
-        with self.inference.slot("first", session=session, turn=turn):
-            return float(self._session.run(None, {"input_features": features})[0].reshape(-1)[0])
+        return float(self._session.run(None, {"input_features": features})[0].reshape(-1)[0])
 
 
 def shared_smart_turn(threads: int = 1) -> SmartTurn:
