@@ -39,7 +39,8 @@ _RANK = {kind: rank for rank, kind in enumerate(KINDS)}
 _SHEDDABLE = frozenset({"speculative", "partial"})
 #: a speculative or partial call that waited this long for a slot is shed (the model is loaded)
 SHED_AFTER_S = 0.25
-_RECENT = 32  # queue waits averaged per kind in snapshot()
+_RECENT = 32  # queue waits averaged per kind in snapshot(): the last ones ...
+_RECENT_S = 10.0  # ... of the last seconds (an idle model reports no wait, not its last busy moment)
 _CANCEL_CHECK_S = 0.05  # how often a waiter that may be cancelled looks
 
 log = logging.getLogger("s2s_flow.inference")
@@ -145,7 +146,7 @@ class Scheduler:
         with self._lock:
             if self._running < self.slots and not self._queue:  # the plain case: no wait, no hop
                 self._running += 1
-                self._waits[kind].append(0.0)
+                self._waits[kind].append((time.monotonic(), 0.0))
                 return kind
             now = time.monotonic()
             me = _Waiter(kind, now if deadline is None else deadline, session, turn, now, self._lock)
@@ -166,7 +167,8 @@ class Scheduler:
                         raise Shed(self.name, me.kind, waited)
                     timeout = left if timeout is None else min(timeout, left)
                 me.wake.wait(timeout)
-            self._waits[me.kind].append(time.monotonic() - me.since)
+            now = time.monotonic()
+            self._waits[me.kind].append((now, now - me.since))
             return me.kind
 
     def release(self) -> None:
@@ -197,10 +199,12 @@ class Scheduler:
             queued = dict.fromkeys(KINDS, 0)
             for w in self._queue:
                 queued[w.kind] += 1
+            since = time.monotonic() - _RECENT_S
+            recent = {k: [wait for t, wait in waits if t >= since] for k, waits in self._waits.items()}
             return {
                 "queued": queued,
                 "running": self._running,
-                "wait_s": {k: (sum(w) / len(w) if w else 0.0) for k, w in self._waits.items()},
+                "wait_s": {k: (sum(w) / len(w) if w else 0.0) for k, w in recent.items()},
                 "shed": dict(self._shed),
             }
 
@@ -230,6 +234,7 @@ def _schedulers() -> list[Scheduler]:
 
 def snapshot() -> dict[str, dict[str, Any]]:
     """Every shared model's queue now: ``{model: {"queued": {kind: n}, "running": n,
-    "wait_s": {kind: mean of the recent queue waits}, "shed": {kind: n}}}`` (kinds: :data:`KINDS`)."""
+    "wait_s": {kind: mean queue wait of the last calls of the last 10 s, 0 without any},
+    "shed": {kind: n since the process started}}}`` (kinds: :data:`KINDS`)."""
     return {s.name: s.snapshot() for s in _schedulers()}
 

@@ -83,6 +83,8 @@ def test_work_is_served_by_kind_then_deadline_not_by_arrival() -> None:
     requests.join()
     assert requests.granted == ["first-a:first", "first-b:first", "later-due-soon:later",
                                 "later-due-late:later", "spec:speculative", "partial:partial"]
+    waits = sched.snapshot()["wait_s"]
+    assert all(waits[kind] > 0 for kind in inference.KINDS), waits  # each of them waited in the queue
 
 
 def test_n_slots_run_n_calls_at_once_and_queue_the_next() -> None:
