@@ -100,11 +100,12 @@ class Session:
 
 
 class _Waiter:
-    __slots__ = ("kind", "deadline", "session", "turn", "since", "granted", "wake")
+    __slots__ = ("kind", "asked", "deadline", "session", "turn", "since", "granted", "wake")
 
-    def __init__(self, kind: str, deadline: float, session: Session | None, turn: int | None,
+    def __init__(self, kind: str, asked: str, deadline: float, session: Session | None, turn: int | None,
                  since: float, lock: threading.Lock) -> None:
-        self.kind, self.deadline, self.session, self.turn, self.since = kind, deadline, session, turn, since
+        self.kind, self.asked = kind, asked  # what it runs as now; what the caller asked for
+        self.deadline, self.session, self.turn, self.since = deadline, session, turn, since
         self.granted = False
         self.wake = threading.Condition(lock)
 
@@ -141,6 +142,7 @@ class Scheduler:
                 turn: int | None = None, cancelled: Callable[[], bool] | None = None) -> str:
         if kind not in _RANK:
             raise ValueError(f"unknown kind of inference work {kind!r}: one of {', '.join(KINDS)}")
+        asked = kind
         if session is not None:
             kind = session.kind(kind, turn)
         with self._lock:
@@ -149,7 +151,7 @@ class Scheduler:
                 self._waits[kind].append((time.monotonic(), 0.0))
                 return kind
             now = time.monotonic()
-            me = _Waiter(kind, now if deadline is None else deadline, session, turn, now, self._lock)
+            me = _Waiter(kind, asked, now if deadline is None else deadline, session, turn, now, self._lock)
             self._queue.append(me)
             self._grant()
             while not me.granted:
@@ -181,7 +183,7 @@ class Scheduler:
         with self._lock:
             for w in self._queue:
                 if w.session is session and w.turn == turn and w.kind == "speculative":
-                    w.kind = "first"
+                    w.kind = w.asked
                     w.wake.notify()  # it waits without a shedding timeout from now on
             self._grant()
 
