@@ -183,7 +183,7 @@ class Scheduler:
         with self._lock:
             for w in self._queue:
                 if w.session is session and w.turn == turn and w.kind == "speculative":
-                    w.kind = w.asked
+                    w.kind = "first" if w.asked == "speculative" else w.asked
                     w.wake.notify()  # it waits without a shedding timeout from now on
             self._grant()
 

@@ -118,14 +118,16 @@ def test_a_speculative_turn_confirmed_while_queued_is_promoted_ahead_of_later_wo
     session.speculate(7)
     requests = Requests(sched)
     with sched.slot("first"):
-        requests.make("b-later", "later", session=other, turn=3)
+        requests.make("b-later", "later", session=other, turn=3, deadline=time.monotonic() + 50)
         # a confirmed kind asked for a turn still speculative runs as speculative work
         requests.make("a-turn7", "first", session=session, turn=7)
-        assert sched.snapshot()["queued"]["speculative"] == 1
+        requests.make("a-turn7-later", "later", session=session, turn=7, deadline=time.monotonic() + 1)
+        requests.make("a-turn7-decode", "speculative", session=session, turn=7)  # asked as speculative
+        assert sched.snapshot()["queued"]["speculative"] == 3
         session.confirm(7)  # the VAD confirmed the turn: its queued work is promoted
-        assert sched.snapshot()["queued"] == {"first": 1, "later": 1, "speculative": 0, "partial": 0}
+        assert sched.snapshot()["queued"] == {"first": 2, "later": 2, "speculative": 0, "partial": 0}
     requests.join()
-    assert requests.granted == ["a-turn7:first", "b-later:later"]
+    assert requests.granted == ["a-turn7:first", "a-turn7-decode:first", "a-turn7-later:later", "b-later:later"]
     assert session.kind("first", 7) == "first"
 
 
