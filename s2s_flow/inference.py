@@ -143,9 +143,9 @@ class Scheduler:
         if kind not in _RANK:
             raise ValueError(f"unknown kind of inference work {kind!r}: one of {', '.join(KINDS)}")
         asked = kind
-        if session is not None:
-            kind = session.kind(kind, turn)
-        with self._lock:
+        with self._lock:  # the kind is read under it: a confirmation's promote() comes after, or it is seen
+            if session is not None:
+                kind = session.kind(kind, turn)
             if self._running < self.slots and not self._queue:  # the plain case: no wait, no hop
                 self._running += 1
                 self._waits[kind].append((time.monotonic(), 0.0))
