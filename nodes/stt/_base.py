@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nodes._http import RemoteError
+from nodes._live import turn_failed
 from s2s_flow.audio import resample
 from s2s_flow.inference import Shed
 from s2s_flow.messages import Speech, Transcript
@@ -82,6 +84,13 @@ class UtteranceSTT(Node):
             text, language = self._decode(msg, audio)
         except Shed as shed:  # a speculative decode under load: the confirmation is decoded instead
             self.ctx.log.debug("turn %d: %s", msg.turn, shed)
+            return
+        except RemoteError as exc:  # live: the turn has no transcript, the session goes on
+            if msg.speculative and self.ctx.live:  # its confirmation asks again, and tells if it fails
+                self.ctx.log.warning("turn %d: the early transcript failed: %s", msg.turn, exc)
+                return
+            if not turn_failed(self.ctx, "stt", msg.turn, exc):
+                raise
             return
         if not text:  # nothing for the LLM to answer; the turn ends here
             self.ctx.log.info("turn %d: no words recognised in %.2f s of speech",

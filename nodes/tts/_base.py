@@ -31,6 +31,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from nodes._http import RemoteError
+from nodes._live import turn_failed
 from nodes._playback import playback_of
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
@@ -158,6 +160,7 @@ class SentenceTTS(Node, Voiced):
         #: seconds of a reply made ahead of what the listener has played (paced sinks only; 0: off)
         self.lead_s = float(lead_s)
         self._made_s = 0.0  # audio of the reply being spoken made so far (seconds)
+        self._failed_turn: int | None = None  # a live reply whose endpoint failed: the rest goes unspoken
 
     # -- what a backend implements -------------------------------------------------------
 
@@ -256,6 +259,16 @@ class SentenceTTS(Node, Voiced):
             self._started_turn = turn
             self._made_s = 0.0
             self.ctx.record("tts_start", turn=turn, words=len(sentence.split()))
+        if self._failed_turn == turn:
+            return
+        try:
+            yield from self._synthesized(sentence, turn)
+        except RemoteError as exc:  # a live reply goes on unspoken: its end marker closes it
+            if not turn_failed(self.ctx, "tts", turn, exc):
+                raise
+            self._failed_turn = turn
+
+    def _synthesized(self, sentence: str, turn: int) -> Iterator[AudioOut]:
         rate_out = self._out_rate()
         resample: StreamResampler | None = None  # one for the sentence: its pieces join seamlessly
         text = sentence
