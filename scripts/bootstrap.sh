@@ -21,6 +21,7 @@ command -v g++ >/dev/null || need_apt+=(g++)
 dpkg -s libssl-dev >/dev/null 2>&1 || [ -f /usr/include/openssl/ssl.h ] || need_apt+=(libssl-dev)
 command -v openssl >/dev/null || need_apt+=(openssl)
 command -v chromium >/dev/null || need_apt+=(chromium)  # io=realtime's browser page, tested in headless Chromium
+command -v haproxy >/dev/null || need_apt+=(haproxy)    # the load balancer in front of io=realtime processes (deploy/haproxy.cfg), tested
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     say "apt-get install ${need_apt[*]}"

@@ -25,6 +25,8 @@ the rest; the nodes import the session, never the server):
 - ``protocol.py``: the protocol as data: session settings, one builder per server event, errors.
 - ``client_events.py``: one handler per client event.
 - ``server.py``: Starlette/uvicorn, auth, backpressure, ``/metrics``; the transport moves text.
+- ``guard.py``: the Origin and Host checks of every route; ``drain.py``: SIGTERM, ``/healthz`` and
+  ``/readyz``; ``limits.py``: a client's event rate; ``prometheus.py``: the server's ``/metrics``.
 """
 
 from nodes.io.realtime.nodes import API_KEY_ENV, RealtimeSink, RealtimeSource

@@ -24,6 +24,7 @@ from nodes._playback import playback_of
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.response import Response
 from nodes.io.realtime.session import Session
+from nodes.io.realtime.twilio import TWILIO_TOKEN_ENV
 from s2s_flow.audio import LowLatencyResampler, StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStarted, TextDelta, Transcript
@@ -40,6 +41,18 @@ def _check_rate(rate: int) -> None:
     if rate not in (8000, 16000):
         raise ConfigError(f"io.rate={rate}: the pipeline runs at the VAD's rate, 16000 (or 8000)")
 
+
+
+def _strings(key: str, value: Any) -> list[str]:
+    """A list of strings from YAML or the command line (``io.allowed_origins=[https://a.example]``)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    items = list(value)
+    if not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{key}={items!r}: give a list of strings, e.g. {key}=[https://app.example.com]")
+    return items
 
 
 def _session_of(node: Node) -> Session:
@@ -65,7 +78,7 @@ class RealtimeSource(Node):
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.
     port_rings = {"audio": (128, "block")}
-    secret_params = frozenset({"api_key"})
+    secret_params = frozenset({"api_key", "twilio_auth_token"})
 
     def __init__(
         self,
@@ -78,8 +91,15 @@ class RealtimeSource(Node):
         idle_timeout_s: float = 300.0,
         max_frame_bytes: int = 1 << 20,
         max_queued_bytes: int = 8 << 20,
+        max_events_per_s: float = 200.0,
+        drain_timeout_s: float = 30.0,
+        allowed_origins: Any = (),
+        allowed_hosts: Any = (),
         rate: int = 16000,
         chunk_ms: int = 20,
+        twilio_voice: str | None = None,
+        twilio_instructions: str | None = None,
+        twilio_auth_token: str | None = None,
     ) -> None:
         _check_rate(rate)
         if not 0 <= port <= 65535:
@@ -94,6 +114,14 @@ class RealtimeSource(Node):
         if max_queued_bytes < 65536:
             raise ConfigError(f"io.max_queued_bytes={max_queued_bytes} is too small: a client that reads keeps "
                               "several audio events in flight; use at least 65536 (default 8 MiB)")
+        if max_events_per_s < 10:
+            raise ConfigError(f"io.max_events_per_s={max_events_per_s} is too low: a client streaming 20 ms appends "
+                              "sends 50 a second; use at least 10 (default 200)")
+        if drain_timeout_s < 0:
+            raise ConfigError(f"io.drain_timeout_s={drain_timeout_s} must be >= 0 (seconds live sessions may "
+                              "finish after SIGTERM)")
+        self.allowed_origins = _strings("io.allowed_origins", allowed_origins)
+        self.allowed_hosts = _strings("io.allowed_hosts", allowed_hosts)
         if not 5 <= chunk_ms <= 200:
             raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -104,15 +132,19 @@ class RealtimeSource(Node):
                 "127.0.0.1, or io.allow_public=true if that is what you mean")
         self.host, self.port, self.allow_public = host, port, allow_public
         self.max_sessions, self.idle_timeout_s, self.max_frame_bytes = max_sessions, idle_timeout_s, max_frame_bytes
-        self.max_queued_bytes = max_queued_bytes
+        self.max_queued_bytes, self.max_events_per_s = max_queued_bytes, float(max_events_per_s)
+        self.drain_timeout_s = float(drain_timeout_s)
         self.rate, self.chunk_ms = rate, chunk_ms
+        self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions
+        self.twilio_auth_token = twilio_auth_token or os.environ.get(TWILIO_TOKEN_ENV) or None
         self.session: Session | None = None
 
     @property
     def serves(self) -> str:
         """Where clients connect (shown by dry_run=true)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/)"
+        return (f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/, Twilio Media Streams: "
+                f"ws://{host}:{self.port}/v1/twilio)")
 
     def port_rate(self, port: str) -> int | None:
         return self.rate if port == "audio" else None
