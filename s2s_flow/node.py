@@ -92,6 +92,9 @@ class SessionHooks:
         """What the LLM sends of ``conversation`` in its next request: itself, or a view of it."""
         return conversation
 
+    def usage(self, turn: int, usage: dict[str, Any]) -> None:
+        """A request's token counts, as the model's server reported them (one per request)."""
+
     def stage_failed(self, stage: str, turn: int, message: str) -> None:
         """A stage's endpoint failed on ``turn`` in a live run and the session goes on (the node
         has logged it and recorded it in the trace): a server's session tells its client."""

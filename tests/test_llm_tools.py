@@ -193,8 +193,12 @@ def test_responses_pins_the_first_request_and_the_one_after_a_tool_result(srv, t
 
 def test_a_named_tool_choice_is_sent_in_each_apis_own_shape(srv, tmp_path):
     srv.script(Reply.sse(chat_chunks("Ok.")))
-    chat = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=[WEATHER], tool_choice="get_weather")
-    assert chat.request_body("get_weather")["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    chat = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, tools=[WEATHER, "tests.support.tools:slow_lookup"],
+                    tool_choice="get_weather")
+    # Chat Completions: "required" with that one tool (llama-server refuses the object form; it means the same)
+    body = chat.request_body("get_weather")
+    assert body["tool_choice"] == "required" and [t["function"]["name"] for t in body["tools"]] == ["get_weather"]
+    assert len(chat.request_body("auto")["tools"]) == 2, "the other choices offer every tool"
     responses = llm_node(ResponsesLLM, srv.base_url, tmp_path, tools=[WEATHER], setup=False)
     assert responses.request_body("get_weather")["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert "tools" not in llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, setup=False).request_body()

@@ -221,6 +221,61 @@ def test_a_held_turn_waits_for_response_create_and_its_transcript(tmp_path):
     assert not wire.of("response.created"), "the source begins it, as a turn of its own"
 
 
+def test_a_voice_turn_committed_as_a_text_response_begins_waits_instead_of_overlapping_it(tmp_path):
+    """The interleaving the race makes: the user speaks (turn 1, answered by itself), a typed message
+    and its response.create arrive before the VAD commits, the source begins that response as turn
+    2, and only then does turn 1's transcript reach the LLM. The LLM does not answer it: the spoken
+    item waits for the next response.create, and at no point are two responses in progress."""
+    sink, session, wire = _sink(tmp_path)
+    sink.process("started", SpeechStarted(turn=1, start=0.0))
+    session.user_text("item_typed", "Say hello.")
+    typed = Response("resp_typed")
+    session.ask(typed)
+    assert session.inbox.get_nowait() == ("respond", typed)
+    sink.process("speech", _speech(1))  # the VAD commits turn 1
+    session.begin(2, typed)
+    sink.process("user", Transcript(turn=1, text="How far is a marathon?"))
+    assert not session.answers(1), "turn 1 waits: the typed message's response is in progress"
+    assert [(q.turn, q.text, q.ready) for q in session.pending] == [(1, "How far is a marathon?", True)]
+    assert session.answering is None
+    sink.process("agent", TextDelta(turn=2, text="Hello.", end=True))
+    sink.process("audio", AudioOut(turn=2, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    assert [e["response"]["id"] for e in wire.of("response.done")] == ["resp_typed"]
+    assert len(wire.of("response.created")) == 1, "one response, and none for turn 1 by itself"
+    resp = Response("resp_next")
+    session.ask(resp)  # the next response.create answers the spoken item
+    assert [q.text for q in resp.inputs] == ["How far is a marathon?"]
+
+
+def test_a_response_create_after_a_voice_turn_commits_is_refused_until_its_reply_ends(tmp_path):
+    sink, session, _ = _sink(tmp_path)
+    sink.process("started", SpeechStarted(turn=1, start=0.0))
+    assert not session.active(), "the user speaks: nothing is committed yet"
+    sink.process("speech", _speech(1))
+    assert session.active(), "committed: its reply is on its way"
+    sink.process("user", Transcript(turn=1, text="How far is a marathon?"))
+    sink.process("agent", TextDelta(turn=1, text="About 42 km.", end=True))
+    assert session.active()
+    sink.process("audio", AudioOut(turn=1, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    assert not session.active()
+
+
+def test_transcription_deltas_carry_only_words_two_partials_agree_on_and_none_after_completed(tmp_path):
+    sink, _, wire = _sink(tmp_path)
+    sink.process("started", SpeechStarted(turn=1, start=0.0))
+    for text in ("How", "How far", "How far it", "How far is a", "How far is a marathon"):
+        sink.process("partial", Transcript(turn=1, text=text, final=False))
+    sink.process("user", Transcript(turn=1, text="How far is a marathon?"))
+    sink.process("partial", Transcript(turn=1, text="How far is a marathon race", final=False))  # late
+    kinds = [e["type"] for e in wire.events]
+    deltas = [e["delta"] for e in wire.of("conversation.item.input_audio_transcription.delta")]
+    # agreed: "How" (1st, 2nd), "How far" (2nd, 3rd), "How far is a" (4th, 5th); "it" never sent
+    assert deltas == ["How", " far", " is a", " marathon?"], deltas
+    assert "".join(deltas) == "How far is a marathon?"
+    last_delta = max(i for i, k in enumerate(kinds) if k == "conversation.item.input_audio_transcription.delta")
+    assert last_delta < kinds.index("conversation.item.input_audio_transcription.completed")
+
+
 def test_the_conversation_view_leaves_out_deleted_items_and_uses_a_responses_instructions(tmp_path):
     _, session, _ = _sink(tmp_path)
     conversation = Conversation("You are a helpful assistant.", 8)
@@ -315,7 +370,8 @@ def test_a_sessions_voice_goes_to_its_own_tts_node_when_the_backend_can_switch(t
     spoken.clear()
     assert len(reply(nodes[1])) and len(reply(nodes[0]))
     assert spoken == ["de", "en-us"], "the session's node speaks with its voice, another session's with its own"
-    assert session.nodes.use_voice("alloy") == "de", "an OpenAI voice name keeps the session's voice"
+    assert session.nodes.use_voice("alloy") == "alloy", "an OpenAI voice name is echoed as the client sent it"
+    assert nodes[1].voice == "de", "and keeps the session's voice"
     with pytest.raises(ProtocolError, match="'no-such-voice' is not one"):
         session.nodes.use_voice("no-such-voice")
     assert nodes[1].voice == "de"

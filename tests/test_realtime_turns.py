@@ -370,7 +370,7 @@ def test_the_voice_is_the_servers_and_openais_names_stand_for_it(served):
 
     created, alias, refused, own = run(talk())
     assert created.session.audio.output.voice == "en_US-joe-medium", "the voice the session really speaks with"
-    assert alias.session.audio.output.voice == "en_US-joe-medium", "an OpenAI voice name stands for it"
+    assert alias.session.audio.output.voice == "marin", "an OpenAI voice name stands for it, echoed as sent"
     error = refused.error
     assert error.code == "invalid_value" and error.event_id == "evt_voice"
     assert error.param == "session.audio.output.voice"
@@ -409,3 +409,32 @@ def test_a_stream_that_breaks_before_its_first_token_speaks_the_fallback_and_the
     assert error.error.code == "llm_failed" and "broke off" in error.error.message
     assert second[-1].response.status == "completed"
     assert second[-1].response.output[0].content[0].transcript == "Hello there."
+
+
+def test_a_failed_response_ends_failed_with_the_reason_and_the_session_goes_on(tmp_path):
+    """Without a fallback reply (llm.fallback_reply=null) the broken stream's response ends
+    ``failed`` with the reason; the session survives it, as OpenAI's does: the connection stays
+    open and the next response is answered."""
+    from tests.support.fault_server import FaultServer, Reply, chat_chunks
+
+    with FaultServer() as srv:
+        srv.script(Reply.sse(chat_chunks("never"), drop_after=0), Reply.sse(chat_chunks("Hello", " there.")))
+        with serving(srv.base_url, tmp_path, "llm.max_retries=0", "llm.fallback_reply=null") as (url, server):
+
+            async def talk():
+                async with sdk(url) as conn:
+                    await conn.recv()  # session.created
+                    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+                    await conn.conversation.item.create(item=item)
+                    await conn.response.create(response={"output_modalities": ["text"]})
+                    failed = await _collect(conn)
+                    await conn.conversation.item.create(item=item)
+                    await conn.response.create(response={"output_modalities": ["text"]})
+                    return failed, await _collect(conn), server.open
+
+            failed, after, still_open = run(talk(), timeout=60)
+    done = failed[-1]
+    assert done.response.status == "failed" and done.response.status_details.error.type == "server_error"
+    assert "broke off" in done.response.status_details.error.message
+    assert after[-1].response.status == "completed" and after[-1].response.output[0].content[0].text == "Hello there."
+    assert still_open == 1, "the connection stayed open"

@@ -124,6 +124,8 @@ class RemoteLLM(LLMBase):
         """One line per reply; a warning when the answer was cut or never came."""
         log = self.ctx.log
         log.debug("reply done: stop=%s usage=%s reasoning_deltas=%d", stop, usage, reasoning)
+        if isinstance(usage, dict) and self._turn is not None:
+            self.ctx.session.usage(self._turn, usage)
         if stop in ("length", "max_output_tokens"):
             log.warning("the reply hit the token limit (llm.max_tokens=%s) and was cut", self.max_tokens)
         if reasoning and not spoke:

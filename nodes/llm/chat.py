@@ -160,9 +160,12 @@ class ChatCompletionsLLM(RemoteLLM):
         body = self.generation_options()
         body["messages"] = self.ctx.session.history(self.conversation).messages(self.render_user)
         if self.toolbox:
-            body["tools"] = [tool.chat_schema() for tool in self.toolbox.tools.values()]
+            # a named choice goes as "required" with that one tool: llama-server (and others) refuse
+            # the object form {"type": "function", "function": {"name": ...}}, and it means the same
             name = named_tool(tool_choice)
-            body["tool_choice"] = {"type": "function", "function": {"name": name}} if name else tool_choice
+            tools = [t for t in self.toolbox.tools.values() if t.name == name] if name else self.toolbox.tools.values()
+            body["tools"] = [tool.chat_schema() for tool in tools]
+            body["tool_choice"] = "required" if name else tool_choice
             if self.prefill(tool_choice):
                 body["messages"].append({"role": "assistant", "content": self.prefill(tool_choice)})
         body["stream"] = self.stream

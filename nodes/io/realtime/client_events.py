@@ -22,7 +22,7 @@ from nodes.io.realtime.protocol import (
     response_instructions,
     response_modalities,
 )
-from nodes.io.realtime.response import Response
+from nodes.io.realtime.response import Pending, Response
 from nodes.io.realtime.session import Session
 
 __all__ = ["ClientEvents", "MIN_COMMIT_MS", "MAX_BUFFER_S"]
@@ -44,6 +44,7 @@ class ClientEvents:
             "session.update": self.update,
             "conversation.item.create": self.create_item,
             "conversation.item.delete": self.delete_item,
+            "conversation.item.retrieve": self.retrieve_item,
             "conversation.item.truncate": self.truncate_item,
             "response.create": self.create_response,
             "response.cancel": self.cancel_response,
@@ -155,12 +156,7 @@ class ClientEvents:
         if item.get("type", "message") != "message" or item.get("role") != "user":
             raise ProtocolError("unsupported_value", "conversation.item.create: only user messages (input_text) are "
                                 "supported by this server yet", param="item.type")
-        content = item.get("content")
-        texts = [c.get("text") for c in content or () if isinstance(c, dict) and c.get("type") == "input_text"]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ProtocolError("invalid_value", "a user message needs content [{'type': 'input_text', 'text': "
-                                "...}]", param="item.content")
-        self.session.user_text(item_id, " ".join(texts).strip())
+        self.session.user_text(item_id, user_text(item.get("content"), "item.content"))
 
     def delete_item(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
@@ -168,21 +164,46 @@ class ClientEvents:
             raise ProtocolError("invalid_value", "conversation.item.delete needs an 'item_id'", param="item_id")
         self.session.delete(item_id)
 
+    def retrieve_item(self, event: dict[str, Any]) -> None:
+        item_id = event.get("item_id")
+        if not isinstance(item_id, str):
+            raise ProtocolError("invalid_value", "conversation.item.retrieve needs an 'item_id'", param="item_id")
+        self.session.retrieve(item_id)
+
     def truncate_item(self, event: dict[str, Any]) -> None:
         self.session.truncate(event.get("item_id"), event.get("audio_end_ms"))
 
     # -- responses ----------------------------------------------------------------------------
 
     def create_response(self, event: dict[str, Any]) -> None:
-        """``response.create``: answers the user messages waiting, or a client tool's output."""
+        """``response.create``: answers the user messages waiting, or a client tool's output; with
+        ``input``, those messages instead (``conversation: "none"``: out of band, kept out of the
+        conversation)."""
         response, session = event.get("response") or {}, self.session
         if not isinstance(response, dict):
             raise ProtocolError("invalid_value", "response.create's 'response' must be an object", param="response")
+        if session.config.kind == "transcription":
+            raise ProtocolError("unsupported_value", "a transcription session makes no responses: it sends the "
+                                "user's transcripts; session.update with type 'realtime' for replies")
         if session.active():
             raise ProtocolError("conversation_already_has_active_response", "a response is in progress: cancel it "
                                 "(response.cancel) or wait for response.done")
+        conversation, metadata = response.get("conversation", "auto"), response.get("metadata")
+        if conversation not in ("auto", "none"):
+            raise ProtocolError("invalid_value", f"response.conversation={conversation!r}: use 'auto' (the "
+                                "session's conversation) or 'none' (out of band)", param="response.conversation")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+            raise ProtocolError("invalid_value", "response.metadata is up to 16 string keys with string values",
+                                param="response.metadata")
         resp = Response(new_id("resp"), modalities=response_modalities(response, session.config),
-                        instructions=response_instructions(response))
+                        instructions=response_instructions(response), metadata=metadata,
+                        conversation_id=None if conversation == "none" else session.conversation_id,
+                        out_of_band=conversation == "none")
+        if "input" in response:
+            resp.own_context = True
+            session.ask(resp, self._inputs(response["input"]))
+            return
         answered = session.tools.answered()
         if answered:  # a client tool's answer: the same turn goes on, in a new response
             session.begin(answered[0].turn, resp)
@@ -196,9 +217,53 @@ class ClientEvents:
                                 "create_response=false or null, a spoken turn waits for response.create)")
         session.ask(resp)
 
+    def _inputs(self, given: Any) -> list[Pending]:
+        """``response.input``: user messages (input_text), or references to the conversation's typed ones."""
+        if not isinstance(given, list) or not given:
+            raise ProtocolError("invalid_value", "response.input is a list of user messages ({'type': 'message', "
+                                "'role': 'user', 'content': [{'type': 'input_text', ...}]} or {'type': "
+                                "'item_reference', 'id': ...})", param="response.input")
+        inputs = []
+        for i, item in enumerate(given):
+            where = f"response.input[{i}]"
+            if isinstance(item, dict) and item.get("type") == "item_reference":
+                known = self.session.item_data.get(item.get("id")) or {}
+                parts = known.get("content") or []
+                text = " ".join(p.get("text") or p.get("transcript") or "" for p in parts).strip()
+                if not text:
+                    raise ProtocolError("item_not_found", f"{where}: no message {item.get('id')!r} with words in "
+                                        "this conversation", param=f"{where}.id")
+            elif isinstance(item, dict) and item.get("type", "message") == "message" and item.get("role") == "user":
+                text = user_text(item.get("content"), f"{where}.content")
+            else:
+                raise ProtocolError("unsupported_value", f"{where}: only user messages and item references are "
+                                    "supported by this server", param=f"{where}.type")
+            inputs.append(Pending(new_id("item"), text=text, ready=True))
+        return inputs
+
     def cancel_response(self, event: dict[str, Any]) -> None:
         session = self.session
         if not session.active():
             raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
         session.cancel_asked()
         session.put(("cancel",))
+
+
+def user_text(content: Any, where: str) -> str:
+    """A user message's words: its ``input_text`` parts. Any other part is refused, never dropped."""
+    if not isinstance(content, list) or not content:
+        raise ProtocolError("invalid_value", "a user message needs content [{'type': 'input_text', 'text': "
+                            "...}]", param=where)
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            raise ProtocolError("unsupported_content", f"{where}[{i}] is an image: this server's LLM takes text "
+                                "only, so the message was not added (nothing of it dropped silently); send what "
+                                "the image shows as input_text, or serve a model that takes images",
+                                param=f"{where}[{i}]")
+        if kind != "input_text" or not isinstance(part.get("text"), str):
+            raise ProtocolError("invalid_value", f"{where}[{i}]: a user message's parts are {{'type': "
+                                "'input_text', 'text': ...}} here", param=f"{where}[{i}]")
+        texts.append(part["text"])
+    return " ".join(texts).strip()

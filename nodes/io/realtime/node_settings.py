@@ -58,12 +58,14 @@ class NodeSettings:
 
     def use_voice(self, name: str) -> str:
         """``session.update``'s voice: the session's TTS switches to it if it can; OpenAI's own voice
-        names (which stock clients send) stand for the server's voice. Returns the voice spoken."""
+        names (which stock clients send) stand for the server's voice. Returns the name to report."""
         tts = self.tts
         if tts is None:  # nothing is spoken (a text-only graph)
             return name
-        if tts.use_voice(name) or name.lower() in OPENAI_VOICES:
+        if tts.use_voice(name):
             return tts.voice_name
+        if name.lower() in OPENAI_VOICES:
+            return name  # echoed as the client named it: it stands for the voice the TTS speaks with
         raise ProtocolError("invalid_value", f"voice {name!r} is not one this server's TTS ({type(tts).__name__}) "
                             f"can speak with: it speaks with {tts.voice_name!r}, for which OpenAI's voice names "
                             f"({', '.join(OPENAI_VOICES)}) also stand; another voice is chosen with tts.voice "

@@ -261,6 +261,8 @@ class RealtimeSink(Node):
         self._lock = threading.Lock()  # interrupts come from other threads
         self._resamplers: dict[int, StreamResampler] = {}
         self._said: dict[int, str] = {}  # per user turn: the transcript sent so far as deltas
+        self._hypothesis: dict[int, list[str]] = {}  # per user turn: the last partial's words
+        self._completed: dict[int, None] = {}  # user turns whose transcript is complete (recent ones)
         self._announced: dict[int, None] = {}  # user turns whose speech_started went out (recent ones)
 
     def setup(self) -> None:
@@ -292,6 +294,8 @@ class RealtimeSink(Node):
             with self._lock:
                 if msg.continues in self._said:
                     self._said[msg.turn] = self._said.pop(msg.continues)
+                if msg.continues in self._hypothesis:
+                    self._hypothesis[msg.turn] = self._hypothesis.pop(msg.continues)
             session.expect_reply(msg.turn)
             return
         session.send(events.speech_started(session.user_item(msg.turn), round(msg.start * 1000)))
@@ -303,17 +307,32 @@ class RealtimeSink(Node):
         if msg.speculative:
             return
         session.expect_reply(msg.turn)
-        item_id = session.user_audio(msg.turn, msg.end, msg.speech_end_t)
+        item_id = session.user_audio(msg.turn, msg)
         if session.holds(msg.turn):  # waits for response.create from now on (its transcript may follow)
             session.hold(msg.turn, item_id, speech=msg)
 
     def _delta(self, session: Session, msg: Transcript) -> None:
-        """A partial transcript while the user speaks: its new words as a transcription delta (a
-        partial that rewrites earlier words sends nothing; the completed event has the final text)."""
-        said = self._said.get(msg.turn, "")
-        text = msg.text.strip()
-        if not text.startswith(said) or len(text) == len(said) or msg.turn < self.ctx.epoch:
+        """A partial transcript while the user speaks. Deltas only append: they carry the words two
+        consecutive partials agree on (from their start) that no delta has sent yet; a partial
+        that rewrites words already sent sends nothing, and none comes once the transcript is
+        complete (the completed event has the final text)."""
+        if msg.turn < self.ctx.epoch or msg.turn in self._completed:
             return
+        words = msg.text.split()
+        before = self._hypothesis.get(msg.turn, [])
+        self._hypothesis[msg.turn] = words
+        for old in list(self._hypothesis)[: -_REMEMBERED_TURNS]:
+            del self._hypothesis[old]
+        agreed = []
+        for a, b in zip(before, words, strict=False):
+            if a != b:
+                break
+            agreed.append(a)
+        said = self._said.get(msg.turn, "")
+        sent = said.split()
+        if len(agreed) <= len(sent) or agreed[: len(sent)] != sent:
+            return
+        text = " ".join(agreed)
         self._said[msg.turn] = text
         session.send(events.transcription_delta(session.user_item(msg.turn), text[len(said):]))
 
@@ -324,6 +343,10 @@ class RealtimeSink(Node):
         if msg.speculative or msg.turn in session.turn_items:
             return  # a speculative one, or the typed message a response.create sent
         said = self._said.pop(msg.turn, "")
+        self._hypothesis.pop(msg.turn, None)
+        self._completed[msg.turn] = None
+        for old in list(self._completed)[: -_REMEMBERED_TURNS]:
+            del self._completed[old]
         session.transcribed(msg.turn, msg.text, msg.text[len(said):] if msg.text.startswith(said) else "")
 
     # -- the assistant's side -----------------------------------------------------------

@@ -96,6 +96,8 @@ class SessionConfig:
         "create_response": True, "interrupt_response": True, "idle_timeout_ms": None})
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
+    #: "realtime", or "transcription": the user's turns are committed and transcribed, never answered
+    kind: str = "realtime"
     #: the last server_vad settings, restored when turn_detection goes from null back to server_vad
     server_vad: dict[str, Any] = field(default_factory=dict)
 
@@ -110,7 +112,8 @@ class SessionConfig:
     @property
     def auto_response(self) -> bool:
         """A turn the VAD ends is answered by itself (else it waits for response.create)."""
-        return self.turn_detection is not None and self.turn_detection.get("create_response", True)
+        return self.kind == "realtime" and self.turn_detection is not None and \
+            self.turn_detection.get("create_response", True)
 
     def update(self, session: Any, fit: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
                voice: Callable[[str], str] | None = None) -> None:
@@ -119,7 +122,12 @@ class SessionConfig:
         the voice asked for and names the one it speaks with; each refuses with a ProtocolError."""
         if not isinstance(session, dict):
             raise ProtocolError("invalid_value", "session.update needs a 'session' object", param="session")
+        kind = session.get("type", self.kind)
+        if kind not in ("realtime", "transcription"):
+            raise ProtocolError("invalid_value", f"session.type={kind!r}: use 'realtime' (a conversation with "
+                                "responses) or 'transcription' (the user's transcripts only)", param="session.type")
         new = copy.deepcopy(self)
+        new.kind = kind
         if "instructions" in session:
             if session["instructions"] is not None and not isinstance(session["instructions"], str):
                 raise ProtocolError("invalid_value", "session.instructions must be a string",
@@ -155,6 +163,11 @@ class SessionConfig:
 
     def to_event(self, session_id: str) -> dict[str, Any]:
         formats = _format_event(self.input_format, self.input_rate), _format_event(self.output_format, self.output_rate)
+        if self.kind == "transcription":
+            return {"type": "transcription", "object": "realtime.transcription_session", "id": session_id,
+                    "audio": {"input": {"format": formats[0], "transcription": {"model": "stt"},
+                                        "noise_reduction": None, "turn_detection": self.turn_detection}},
+                    "include": None}
         return {
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
             "output_modalities": self.output_modalities, "instructions": self.instructions,
@@ -185,14 +198,23 @@ def _turn_detection(value: Any, current: dict[str, Any]) -> dict[str, Any] | Non
     where = "session.audio.input.turn_detection"
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
-        raise ProtocolError("unsupported_value", "turn_detection: use {'type': 'server_vad', ...} or null (manual "
-                            "turns: input_audio_buffer.commit ends them); semantic_vad is not supported", param=where)
-    unknown = sorted(set(value) - _TURN_KEYS)
+    kind = value.get("type", current.get("type", "server_vad")) if isinstance(value, dict) else None
+    if kind not in ("server_vad", "semantic_vad"):
+        raise ProtocolError("unsupported_value", "turn_detection: use {'type': 'server_vad', ...}, {'type': "
+                            "'semantic_vad'} or null (manual turns: input_audio_buffer.commit ends them)", param=where)
+    keys = _TURN_KEYS | {"eagerness"} if kind == "semantic_vad" else _TURN_KEYS
+    unknown = sorted(set(value) - keys)
     if unknown:
         raise ProtocolError("unknown_parameter", f"turn_detection has no {', '.join(unknown)}; it takes "
-                            f"{', '.join(sorted(_TURN_KEYS))}", param=f"{where}.{unknown[0]}")
-    merged = {**current, **value, "type": "server_vad"}
+                            f"{', '.join(sorted(keys))}", param=f"{where}.{unknown[0]}")
+    # semantic_vad (the Agents SDK's default) is served by the server's own end-of-turn detection,
+    # whatever vad.turn chose (vad.turn=smart_turn: a model of the words' end); its eagerness is kept
+    merged = {k: v for k, v in {**current, **value, "type": kind}.items() if k != "eagerness" or kind == "semantic_vad"}
+    if kind == "semantic_vad":
+        merged.setdefault("eagerness", "auto")
+        if merged["eagerness"] not in ("low", "medium", "high", "auto"):
+            raise ProtocolError("invalid_value", f"turn_detection.eagerness={merged['eagerness']!r}: use low, "
+                                "medium, high or auto", param=f"{where}.eagerness")
     threshold = merged.get("threshold")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.15 < threshold < 1.0:
         raise ProtocolError("invalid_value", f"turn_detection.threshold={threshold!r}: a speech probability the "
@@ -269,9 +291,10 @@ def transcription_delta(item_id: str, delta: str) -> dict[str, Any]:
             "delta": delta}
 
 
-def transcription_completed(item_id: str, transcript: str) -> dict[str, Any]:
+def transcription_completed(item_id: str, transcript: str, seconds: float) -> dict[str, Any]:
+    """``usage``: the GA schema's duration form (seconds of audio transcribed)."""
     return {"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
-            "content_index": 0, "transcript": transcript, "usage": None}
+            "content_index": 0, "transcript": transcript, "usage": {"type": "duration", "seconds": round(seconds, 3)}}
 
 
 def transcription_failed(item_id: str, message: str) -> dict[str, Any]:
@@ -318,6 +341,10 @@ def item_done(item: dict[str, Any], previous_item_id: str | None = None) -> dict
     return {"type": "conversation.item.done", "previous_item_id": previous_item_id, "item": item}
 
 
+def item_retrieved(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "conversation.item.retrieved", "item": item}
+
+
 def item_deleted(item_id: str) -> dict[str, Any]:
     return {"type": "conversation.item.deleted", "item_id": item_id}
 
@@ -330,11 +357,24 @@ def item_truncated(item_id: str, audio_end_ms: int) -> dict[str, Any]:
 # responses
 
 def response(response_id: str, status: str, modalities: list[str], output: list[dict[str, Any]],
-             details: dict[str, Any] | None = None) -> dict[str, Any]:
+             details: dict[str, Any] | None = None, *, conversation_id: str | None = None,
+             metadata: dict[str, Any] | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``realtime.response`` object of ``response.created`` and ``response.done``."""
     return {"object": "realtime.response", "id": response_id, "status": status, "status_details": details,
-            "output": output, "conversation_id": "conv", "output_modalities": modalities, "usage": None,
-            "metadata": None}
+            "output": output, "conversation_id": conversation_id, "output_modalities": modalities,
+            "usage": usage, "metadata": metadata}
+
+
+def response_usage(usage: Any) -> dict[str, Any] | None:
+    """``response.done``'s usage from a Chat Completions ``usage`` (prompt and completion tokens)."""
+    if not isinstance(usage, dict):
+        return None
+    given, made = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"total_tokens": given + made, "input_tokens": given, "output_tokens": made,
+            "input_token_details": {"text_tokens": given, "audio_tokens": 0, "image_tokens": 0,
+                                    "cached_tokens": cached},
+            "output_token_details": {"text_tokens": made, "audio_tokens": 0}}
 
 
 def response_created(resource: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,11 @@ class Response:
     instructions: str | None = None  # response.create's: the system prompt of this response only
     inputs: list[Pending] = field(default_factory=list)  # the user messages it answers (response.create)
     dispatched: bool = False  # handed to the source, which begins it
+    conversation_id: str | None = None  # the session's conversation; None: out of band (conversation "none")
+    metadata: dict[str, Any] | None = None  # response.create's, echoed
+    usage: dict[str, Any] | None = None  # the LLM's token counts, as its server reported them
+    out_of_band: bool = False  # conversation "none": its items stay out of the conversation
+    own_context: bool = False  # response.create's input: the LLM sees those messages only
 
     @property
     def audio(self) -> bool:
@@ -50,7 +55,8 @@ class Response:
 
     def as_response(self, status: str, details: dict[str, Any] | None = None,
                     output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return events.response(self.id, status, self.modalities, output or [], details)
+        return events.response(self.id, status, self.modalities, output or [], details,
+                               conversation_id=self.conversation_id, metadata=self.metadata, usage=self.usage)
 
 
 @dataclass

@@ -9,7 +9,8 @@ early (cancelled, cut by the user's speech, failed, or ended by tool calls) firs
 part it opened.
 
 The graph's nodes ask it through ``ctx.session`` (the node contract's ``SessionHooks``): which
-user turns the LLM answers by itself, which replies are spoken, what the LLM sees of its history.
+user turns the LLM answers by itself, which replies are spoken, what the LLM sees of its history
+(those hooks, and which user turns start a reply, are hooks.py's part of the class).
 Its own nodes' settings (turn detection, voice, instructions, tools) it changes through
 ``nodes`` (node_settings.py) and ``tools`` (client_tools.py), by the node contract's interfaces.
 """
@@ -28,20 +29,18 @@ import numpy as np
 from nodes._playback import Playback
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.client_tools import ClientCall, ClientTools
-from nodes.io.realtime.history import conversation_view
+from nodes.io.realtime.hooks import NodeHooks, trim
 from nodes.io.realtime.node_settings import NodeSettings
 from nodes.io.realtime.protocol import ProtocolError, SessionConfig, new_id
 from nodes.io.realtime.response import Pending, Response
 from s2s_flow.messages import Speech
-from s2s_flow.node import SessionHooks
 
 __all__ = ["Session"]
 
 _INBOX = 512  # client events waiting for the source thread (20 ms of audio each, typically)
-_REMEMBERED_TURNS = 256  # per-turn bookkeeping kept for the most recent turns only
 
 
-class Session(SessionHooks):
+class Session(NodeHooks):
     """One connection's conversation and responses (thread-safe: every change under ``lock``).
 
     ``send`` hands a server event to the connection (``emit``: thread-safe, bounded by the
@@ -50,6 +49,7 @@ class Session(SessionHooks):
 
     def __init__(self, emit: Callable[[str], None], config: SessionConfig, observe: Any = None) -> None:
         self.id = new_id("sess")
+        self.conversation_id = new_id("conv")
         self._emit, self.config = emit, config
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=_INBOX)
         self.lock = threading.RLock()  # also held while a response's events are sent: they keep their order
@@ -57,6 +57,7 @@ class Session(SessionHooks):
         self.by_item: dict[str, Response] = {}
         self.user_items: dict[int, str] = {}
         self.items: list[str] = []  # the conversation's items in order (previous_item_id)
+        self.item_data: dict[str, dict[str, Any]] = {}  # each item as last sent (conversation.item.retrieve)
         self.playback: Playback | None = None
         self.observe = observe  # metrics callback: (name, value)
         self.closed = False
@@ -69,11 +70,19 @@ class Session(SessionHooks):
         self.turn_items: dict[int, list[tuple[str, str | None]]] = {}  # LLM turn -> its user items
         self._holds: dict[int, bool] = {}
         self._replying: set[int] = set()  # user turns whose reply is not done (a barge-in cuts them)
+        self._awaiting: set[int] = set()  # spoken turns committed, answered by themselves, no response yet
+        self._heard: dict[int, str] = {}  # per spoken turn: its transcript (a turn held late needs it)
         self._speech_end: dict[int, float] = {}  # per user turn: when its speech really ended
+        self._seconds: dict[int, float] = {}  # per user turn: how long its audio is (the transcript's usage)
+        self._usage: dict[int, dict[str, int]] = {}  # per turn: the LLM's token counts so far
+        self.out_of_band: set[int] = set()  # turns of conversation "none" responses: later requests skip them
 
     # -- the connection ---------------------------------------------------------------------
 
     def send(self, event: dict[str, Any]) -> None:
+        if event["type"] in ("conversation.item.added", "conversation.item.done"):
+            with self.lock:  # the item as the client last heard of it: what a retrieve answers
+                self.item_data[event["item"]["id"]] = event["item"]
         if self.closed:
             return
         self._emit(events.encode(event))
@@ -118,13 +127,16 @@ class Session(SessionHooks):
             self.items.append(item_id)
             return previous
 
-    def user_audio(self, turn: int, end_s: float, speech_end_t: float) -> str:
+    def user_audio(self, turn: int, speech: Speech) -> str:
         """The VAD ended a user turn: its audio is committed as the user's item."""
         item_id = self.user_item(turn)
+        end_s = speech.end
         with self.lock:
-            self._speech_end[turn] = speech_end_t
-            for old in list(self._speech_end)[: -_REMEMBERED_TURNS]:
-                del self._speech_end[old]
+            self._speech_end[turn] = speech.speech_end_t
+            self._seconds[turn] = speech.end - speech.start
+            trim(self._speech_end, self._seconds)
+            if not self.holds(turn) and turn not in self.responses:  # its reply is on its way: a
+                self._awaiting.add(turn)  # response.create now is refused
         self.send(events.speech_stopped(item_id, round(end_s * 1000)))
         self._committed(item_id)
         return item_id
@@ -133,6 +145,7 @@ class Session(SessionHooks):
         """``input_audio_buffer.commit`` (manual turns): the buffered audio is the user's turn."""
         with self.lock:
             self._holds[turn] = True
+            self._seconds[turn] = len(speech.pcm) / speech.rate
         item_id = self.user_item(turn)
         self._committed(item_id)
         self.hold(turn, item_id, speech=speech)
@@ -151,11 +164,16 @@ class Session(SessionHooks):
             self.hold(turn, item_id, text=text)
         if rest:
             self.send(events.transcription_delta(item_id, rest))
-        self.send(events.transcription_completed(item_id, text))
+        with self.lock:
+            seconds = self._seconds.pop(turn, 0.0)
+        self.send(events.transcription_completed(item_id, text, seconds))
         self.send(events.item_done(events.user_audio_item(item_id, text)))
         with self.lock:
-            if not text or held:
+            self._heard[turn] = text
+            trim(self._heard)
+            if not text or held or self._holds.get(turn):
                 self._replying.discard(turn)  # nothing to answer, or not now
+                self._awaiting.discard(turn)
             else:
                 self.answering = turn
 
@@ -176,6 +194,14 @@ class Session(SessionHooks):
         self.send(events.item_added(item, previous))
         self.send(events.item_done(item, previous))
 
+    def retrieve(self, item_id: str) -> None:
+        """``conversation.item.retrieve``: the item as the client last heard of it."""
+        with self.lock:
+            item = self.item_data.get(item_id) if item_id in self.items else None
+        if item is None:
+            raise ProtocolError("item_not_found", f"no item {item_id!r} in this conversation", param="item_id")
+        self.send(events.item_retrieved(item))
+
     def delete(self, item_id: str) -> None:
         """``conversation.item.delete``: the item leaves the conversation the LLM sees."""
         with self.lock:
@@ -185,6 +211,7 @@ class Session(SessionHooks):
                 raise ProtocolError("unsupported_value", "function call items stay in the conversation: delete the "
                                     "assistant or user message around them instead", param="item_id")
             self.items.remove(item_id)
+            self.item_data.pop(item_id, None)
             self.deleted.add(item_id)
             self.pending = [q for q in self.pending if q.item_id != item_id]
             for resp in self.asked:
@@ -210,75 +237,6 @@ class Session(SessionHooks):
             self.playback.set_heard(resp.turn, resp.heard(end_ms), played_s=end_ms / 1000, t=time.monotonic())
         self.send(events.item_truncated(resp.item_id, end_ms))
 
-    # -- which user turns start a reply ---------------------------------------------------
-
-    def holds(self, turn: int) -> bool:
-        """Whether the spoken ``turn`` waits for ``response.create`` (manual turns, or
-        ``create_response: false``) rather than being answered by itself. Decided once per
-        turn, by whoever asks first (the sink at its start, the LLM at its transcript; a
-        commit decides its own turn)."""
-        with self.lock:
-            held = self._holds.get(turn)
-            if held is None:
-                held = self._holds[turn] = turn not in self.responses and not self.config.auto_response
-                for old in list(self._holds)[: -_REMEMBERED_TURNS]:
-                    del self._holds[old]
-            return held
-
-    def expect_reply(self, turn: int) -> bool:
-        """A user turn is under way: its reply will follow, unless the session holds it. Returns
-        whether an earlier turn's reply is still under way (the new speech barges in on it)."""
-        with self.lock:
-            busy = any(t < turn for t in self._replying)
-            if not self.holds(turn):
-                self._replying.add(turn)
-            return busy
-
-    def hold(self, turn: int, item_id: str, *, text: str | None = None, speech: Speech | None = None) -> None:
-        """A held turn waits in ``pending`` for ``response.create`` from its end on; it is ready once
-        its transcript is in (``text``), or at once with its audio for an LLM that hears audio."""
-        hears = self.nodes.hears_audio
-        ready = text is not None or (speech is not None and hears)
-        with self.lock:
-            entry = next((q for q in self.pending + [q for r in self.asked for q in r.inputs] if q.turn == turn), None)
-            if entry is None:
-                self.pending.append(Pending(item_id, turn, text, speech if hears else None, ready))
-            else:
-                entry.text = text if text is not None else entry.text
-                entry.ready = entry.ready or ready
-        self.dispatch()
-
-    def ask(self, resp: Response) -> None:
-        """``response.create``: answer every user message waiting now, once all are transcribed."""
-        with self.lock:
-            resp.inputs, self.pending = self.pending, []
-            self.asked.append(resp)
-        self.dispatch()
-
-    def dispatch(self) -> None:
-        """Hand the source every asked-for response whose user messages are all in (in order)."""
-        with self.lock:
-            ready = []
-            for resp in self.asked:
-                if resp.dispatched or not all(q.ready for q in resp.inputs):
-                    break  # one at a time, in the order asked
-                resp.dispatched = True
-                ready.append(resp)
-        for resp in ready:
-            if not self.put(("respond", resp)):
-                with self.lock:
-                    self.asked.remove(resp)
-                self.send(events.error("input_overflow", "the server is behind on this session: the response was "
-                                       "not started; send response.create again", type="server_error"))
-
-    def forget_below(self, turn: int) -> None:
-        """An interrupt made every turn before ``turn`` stale: their transcripts will not come."""
-        with self.lock:
-            for q in self.pending + [q for r in self.asked for q in r.inputs]:
-                if q.turn and q.turn < turn and not q.ready:
-                    q.ready = True
-        self.dispatch()
-
     # -- a response's lifecycle ---------------------------------------------------------------
 
     def response(self, turn: int) -> Response:
@@ -286,7 +244,9 @@ class Session(SessionHooks):
         with self.lock:
             resp = self.responses.get(turn)
             if resp is None:
-                resp = self.responses[turn] = Response(new_id("resp"), turn, list(self.config.output_modalities))
+                self._awaiting.discard(turn)
+                resp = self.responses[turn] = Response(new_id("resp"), turn, list(self.config.output_modalities),
+                                                       conversation_id=self.conversation_id)
                 self.by_item[resp.item_id] = resp
                 self.send(events.response_created(resp.as_response("in_progress")))
             return resp
@@ -305,10 +265,11 @@ class Session(SessionHooks):
                                          for q in resp.inputs]
             self.send(events.response_created(resp.as_response("in_progress")))
 
-    def active(self) -> list[Response]:
-        """Responses under way, and those asked for that the source has not begun yet."""
+    def active(self) -> bool:
+        """Whether a response is under way, asked for and not begun yet, or on its way for a spoken
+        turn the VAD committed (one response at a time, as OpenAI's server keeps it)."""
         with self.lock:
-            return [r for r in self.responses.values() if not r.done] + list(self.asked)
+            return bool(self._awaiting or self.asked or any(not r.done for r in self.responses.values()))
 
     def output(self, turn: int, epoch: int) -> Response | None:
         """The response answering ``turn`` with its output open (its item and content part added,
@@ -324,9 +285,9 @@ class Session(SessionHooks):
             self._replying.add(turn)
             if not resp.started:
                 resp.started = True
-                previous = self.add_item(resp.item_id)
                 self.send(events.output_item_added(resp.id, 0, resp.as_item("in_progress")))
-                self.send(events.item_added(resp.as_item("in_progress"), previous))
+                if not resp.out_of_band:  # conversation "none": the item is the response's only
+                    self.send(events.item_added(resp.as_item("in_progress"), self.add_item(resp.item_id)))
                 ids = events.part_ids(resp.id, resp.item_id)
                 self.send(events.content_part_added(ids, events.content_part(resp.audio, "")))
             return resp
@@ -375,6 +336,7 @@ class Session(SessionHooks):
         self.forget_below(turn)
         with self.lock:
             self._replying = {t for t in self._replying if t >= turn}
+            self._awaiting = {t for t in self._awaiting if t >= turn}
             # not the ones asked for and not begun yet (turn 0): they answer later messages
             for resp in [r for r in self.responses.values() if not r.done and r.turn < turn]:
                 if self.playback is not None:
@@ -395,6 +357,8 @@ class Session(SessionHooks):
         """``response.cancel``, in order with the client's other events: the turns of the responses
         under way, to interrupt (their ``response.done`` says the client cancelled them)."""
         with self.lock:
+            for turn in list(self._awaiting):  # a spoken turn's reply on its way: it is cancelled too
+                self.response(turn)
             begun = [r for r in self.responses.values() if not r.done and r.turn]
             for resp in begun:
                 resp.cancel_reason = "client_cancelled"
@@ -420,7 +384,9 @@ class Session(SessionHooks):
     def stage_failed(self, stage: str, turn: int, message: str) -> None:
         """The session goes on: an ``error`` (``<stage>_failed``); an STT's item: transcription failed."""
         if stage == "stt" and (item_id := self.user_items.get(turn)) is not None:
-            self._replying.discard(turn)  # no reply is waited for
+            with self.lock:
+                self._replying.discard(turn)  # no reply is waited for, nor refuses a response.create
+                self._awaiting.discard(turn)
             self.send(events.transcription_failed(item_id, message))
         if self.observe is not None:
             self.observe("stage_failed", stage)
@@ -432,7 +398,8 @@ class Session(SessionHooks):
         with self.lock:
             resp = self.response(turn)
             if resp.done:  # a later round of the same turn: a response of its own
-                resp = Response(new_id("resp"), turn, list(self.config.output_modalities))
+                resp = Response(new_id("resp"), turn, list(self.config.output_modalities),
+                                conversation_id=self.conversation_id)
                 self.begin(turn, resp)
             self._end(resp, "completed", calls=calls)
 
@@ -443,6 +410,10 @@ class Session(SessionHooks):
             if resp.done:
                 return
             resp.done = True
+            self._awaiting.discard(resp.turn)
+            resp.usage = events.response_usage(self._usage.pop(resp.turn, None))
+            if resp.out_of_band:
+                self.out_of_band.add(resp.turn)
             if not calls:  # with calls the turn goes on (after the client's outputs): speech still cuts it
                 self._replying.discard(resp.turn)
             output = []
@@ -456,7 +427,8 @@ class Session(SessionHooks):
                     self.send(events.output_text_done(ids, resp.text))
                 self.send(events.content_part_done(ids, events.content_part(resp.audio, resp.text)))
                 self.send(events.output_item_done(resp.id, 0, item))
-                self.send(events.item_done(item))
+                if not resp.out_of_band:
+                    self.send(events.item_done(item))
                 output.append(item)
             for index, call in enumerate(calls, start=len(output)):
                 where = (resp.id, index, call.item_id, call.call_id)
@@ -472,29 +444,3 @@ class Session(SessionHooks):
             if status == "completed" and not calls and self.observe is not None:
                 self.observe("turn", 1)  # counted before the client hears of it: /metrics agrees with it
             self.send(events.response_done(resp.as_response(status, details, output)))
-
-    # -- what the session's nodes ask (ctx.session) -----------------------------------------
-
-    def answers(self, turn: int) -> bool:
-        """The LLM answers a user turn by itself unless the session holds it for ``response.create``
-        (it is then answered as a turn of its own)."""
-        return not self.holds(turn)
-
-    def speaks(self, turn: int) -> bool:
-        """Whether the reply to ``turn`` has audio: its response's modalities, or the session's
-        for a reply whose response the sink has not made yet."""
-        with self.lock:
-            resp = self.responses.get(turn)
-            return "audio" in (resp.modalities if resp is not None else self.config.output_modalities)
-
-    def history(self, conversation: Any) -> Any:
-        """What the LLM sends of ``conversation`` for one request: the client's edits applied
-        (nodes/io/realtime/history.py)."""
-        with self.lock:
-            exchanges = conversation.exchanges
-            answering = self.responses.get(exchanges[-1].turn) if exchanges else None
-            deleted = set(self.deleted)
-            return conversation_view(
-                conversation, instructions=answering.instructions if answering is not None else None,
-                deleted=deleted, turn_items=dict(self.turn_items), user_items=dict(self.user_items),
-                no_reply={r.turn for r in self.by_item.values() if r.item_id in deleted})
