@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,23 @@ def _check_rate(rate: int) -> None:
 
 
 
+def _ice_servers(servers: Any) -> list[dict[str, Any]]:
+    """``io.webrtc.ice_servers``: STUN/TURN servers as the browser's RTCIceServer dicts, checked."""
+    out = []
+    for i, server in enumerate(servers or ()):
+        urls = server.get("urls") if isinstance(server, Mapping) else None
+        urls = [urls] if isinstance(urls, str) else list(urls or ())
+        if not urls or not all(isinstance(u, str) and u.split(":")[0] in ("stun", "stuns", "turn", "turns")
+                               for u in urls):
+            raise ConfigError(f"io.webrtc.ice_servers[{i}]={server!r}: each entry is {{urls: 'stun:HOST:PORT'}} or "
+                              "{urls: 'turn:HOST:PORT', username: ..., credential: ...} (urls: one or a list)")
+        if any(u.startswith("turn") for u in urls) and not (server.get("username") and server.get("credential")):
+            raise ConfigError(f"io.webrtc.ice_servers[{i}]: a TURN server needs its username and credential")
+        out.append({"urls": urls if len(urls) > 1 else urls[0], "username": server.get("username"),
+                    "credential": server.get("credential")})
+    return out
+
+
 def _session_of(node: Node) -> Session:
     session = node.ctx.session
     if not isinstance(session, Session):
@@ -64,7 +81,7 @@ class RealtimeSource(Node):
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.
     port_rings = {"audio": (128, "block")}
-    secret_params = frozenset({"api_key"})
+    secret_params = frozenset({"api_key", "webrtc"})  # webrtc: its TURN credentials
 
     def __init__(
         self,
@@ -79,6 +96,7 @@ class RealtimeSource(Node):
         max_queued_bytes: int = 8 << 20,
         rate: int = 16000,
         chunk_ms: int = 20,
+        webrtc: Mapping[str, Any] | None = None,
     ) -> None:
         _check_rate(rate)
         if not 0 <= port <= 65535:
@@ -105,6 +123,7 @@ class RealtimeSource(Node):
         self.max_sessions, self.idle_timeout_s, self.max_frame_bytes = max_sessions, idle_timeout_s, max_frame_bytes
         self.max_queued_bytes = max_queued_bytes
         self.rate, self.chunk_ms = rate, chunk_ms
+        self.ice_servers = _ice_servers((webrtc or {}).get("ice_servers"))
         self.session: Session | None = None
 
     @property

@@ -1,6 +1,7 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
-Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/metrics`` (Prometheus text:
+Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same sessions
+over WebRTC: webrtc.py), ``/metrics`` (Prometheus text:
 sessions open, turns, voice-to-voice), ``/`` (a browser client). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
@@ -72,6 +73,7 @@ class ServerOptions(Protocol):
     idle_timeout_s: float
     max_frame_bytes: int
     max_queued_bytes: int
+    ice_servers: list[dict[str, Any]]
 
     @property
     def serves(self) -> str: ...
@@ -194,6 +196,10 @@ class RealtimeServer:
         from starlette.responses import HTMLResponse, Response
         from starlette.routing import Route
 
+        from nodes.io.realtime.webrtc import WebRTCCalls
+
+        calls = self.calls = WebRTCCalls(self, _Connection)
+
         async def page(request: Any) -> Any:
             return HTMLResponse(PAGE.read_text(encoding="utf-8") if PAGE.is_file() else "<p>s2s-flow</p>")
 
@@ -202,7 +208,9 @@ class RealtimeServer:
 
         from starlette.websockets import WebSocket
 
-        site = Starlette(routes=[Route("/", page), Route("/metrics", metrics)])
+        site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
+                                 Route("/v1/realtime/calls", calls.create, methods=["POST"]),
+                                 Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"])])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
             # The Realtime socket gets the server's own send(), not a middleware's wrapper: a
@@ -247,16 +255,23 @@ class RealtimeServer:
                 "(io.max_sessions); try again later", type="server_error")))
             await ws.close(code=1008, reason="session_limit_reached")
             return
+        connection = _Connection(self, ws, send)
+        self.admit(connection.session)
+        try:
+            await connection.serve()
+        finally:
+            self.release(connection.session)
+
+    def admit(self, session: Session) -> None:
+        """A session begins (a WebSocket's, or a WebRTC call's): counted, and open until released."""
         self.open += 1
         self.sessions_run += 1
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
-        connection = _Connection(self, ws, send)
-        self.sessions[connection.session.id] = connection.session
-        try:
-            await connection.serve()
-        finally:
-            del self.sessions[connection.session.id]
+        self.sessions[session.id] = session
+
+    def release(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is not None:
             self.open -= 1
             self.metrics.sessions.dec()
 

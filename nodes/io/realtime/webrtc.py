@@ -1,0 +1,571 @@
+"""WebRTC for ``io=realtime``: the browser SDKs' default transport, through ``aiortc``.
+
+    POST   /v1/realtime/calls            SDP offer (application/sdp) -> 201, the SDP answer, Location
+    DELETE /v1/realtime/calls/{call_id}  hangs up
+
+A call is one session, the same as a WebSocket connection's (server.py's ``_Connection``, with
+the peer connection as its transport): the client's and the server's events go as text on the
+``oai-events`` data channel. The audio goes as Opus at 48 kHz both ways: the microphone's frames
+go to the session's source at their own rate (it resamples them to the pipeline's), and the
+reply's audio (the session's ``response.output_audio.delta``, which WebRTC clients never get as
+events) is resampled to 48 kHz and sent as one 20 ms RTP frame every 20 ms, silence when there is
+nothing to say. The server plays the reply, so it says when it starts and stops
+(``output_audio_buffer.started`` / ``stopped``); on a barge-in or a cancelled response, and on the
+client's ``output_audio_buffer.clear``, what is still unplayed is dropped
+(``output_audio_buffer.cleared``) and the reply's item is truncated to what was played, so the LLM's
+history holds what the user heard.
+
+ICE: the server's host candidates are on ``io.host``'s address (loopback: 127.0.0.1 only, and only
+the client's loopback candidates are tried; 0.0.0.0: every interface), with the STUN/TURN servers
+of ``io.webrtc.ice_servers`` for real networks. All candidates are in the answer (no trickle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import fractions
+import hmac
+import ipaddress
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from nodes.io.realtime import protocol as events
+from nodes.io.realtime.protocol import ProtocolError, new_id
+from s2s_flow.audio import StreamResampler, to_float32
+from s2s_flow.node import require
+
+__all__ = ["WebRTCCalls", "host_addresses", "OPUS_RATE"]
+
+log = logging.getLogger("s2s_flow.realtime")
+
+OPUS_RATE = 48000
+FRAME = OPUS_RATE // 50  # one RTP packet: 20 ms
+CONNECT_TIMEOUT_S = 30.0  # a call whose data channel is not open by then is hung up
+CHANNEL_HIGH_BYTES = 1 << 20  # the data channel's send buffer: above it, the sender waits
+EVENTS_CHANNEL = "oai-events"
+_LOOPBACK_HOSTS = {"127.0.0.1": ["127.0.0.1"], "localhost": ["127.0.0.1"], "::1": ["::1"]}
+_ALL = ("0.0.0.0", "::", "")
+
+_addresses: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("s2s_ice_addresses", default=None)
+
+
+def _hook_host_addresses() -> None:
+    """aioice gathers host candidates on every interface but loopback, with no option to choose:
+    its one function that lists them answers from ``host_addresses()`` where one is in force."""
+    import aioice.ice as ice
+
+    if getattr(ice.get_host_addresses, "s2s_hook", False):
+        return
+    original = ice.get_host_addresses
+
+    def get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+        chosen = _addresses.get()
+        return list(chosen) if chosen is not None else original(use_ipv4, use_ipv6)
+
+    get_host_addresses.s2s_hook = True  # type: ignore[attr-defined]
+    ice.get_host_addresses = get_host_addresses
+
+
+@contextlib.contextmanager
+def host_addresses(addresses: list[str] | None) -> Iterator[None]:
+    """Gather ICE host candidates on ``addresses`` (None: aioice's own choice) for the peer
+    connections whose ``setLocalDescription`` runs inside (a client's too: the tests' loopback)."""
+    _hook_host_addresses()
+    token = _addresses.set(addresses)
+    try:
+        yield
+    finally:
+        _addresses.reset(token)
+
+
+def _addresses_for(host: str) -> list[str] | None:
+    if host in _LOOPBACK_HOSTS:
+        return _LOOPBACK_HOSTS[host]
+    return None if host in _ALL else [host]
+
+
+def _loopback_only(sdp: str) -> str:
+    """The offer without its candidates off loopback (and its mDNS names): a loopback server tries
+    no other address."""
+    def keep(line: str) -> bool:
+        if not line.startswith("a=candidate:"):
+            return True
+        fields = line.split()
+        try:
+            return len(fields) > 4 and ipaddress.ip_address(fields[4]).is_loopback
+        except ValueError:
+            return False
+    return "\r\n".join(line for line in sdp.splitlines() if keep(line)) + "\r\n"
+
+
+def _ice_servers(servers: list[dict[str, Any]]) -> list[Any]:
+    from aiortc import RTCIceServer
+
+    return [RTCIceServer(urls=s["urls"], username=s.get("username"), credential=s.get("credential"))
+            for s in servers]
+
+
+class _Speaker:
+    """The reply's audio as the call's outgoing track: a 20 ms frame every 20 ms, silence when idle.
+
+    ``push`` (the graph's threads) queues 48 kHz PCM16 per response; the track's ``recv`` (the
+    event loop, paced by aiortc's RTP sender asking for the next frame) plays it and reports
+    through ``tell`` when a response's audio starts and, once its last audio is played, stops."""
+
+    def __init__(self, tell: Any) -> None:
+        self.tell = tell
+        self.lock = threading.Lock()
+        self.queue: deque[list[Any]] = deque()  # [response_id, item_id, int16 samples]
+        self.played: dict[str, int] = {}  # item_id -> samples played
+        self.finished: set[str] = set()  # responses whose audio is all queued
+        self.muted: set[str] = set()  # responses cleared: their later audio is dropped
+        self.playing: tuple[str, str] | None = None  # the (response, item) playing now
+        self.track = self._track()
+
+    def _track(self) -> Any:
+        from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+        speaker = self
+
+        class SpeakerTrack(MediaStreamTrack):
+            kind = "audio"
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.start: float | None = None
+                self.pts = 0
+
+            async def recv(self) -> Any:
+                if self.readyState != "live":
+                    raise MediaStreamError
+                if self.start is None:
+                    self.start = time.monotonic()
+                else:
+                    self.pts += FRAME
+                    wait = self.start + self.pts / OPUS_RATE - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                return speaker.frame(self.pts)
+
+        return SpeakerTrack()
+
+    def push(self, response_id: str, item_id: str, pcm: np.ndarray) -> None:
+        with self.lock:
+            if response_id in self.muted or not len(pcm):
+                return
+            self.played.setdefault(item_id, 0)
+            self.queue.append([response_id, item_id, pcm])
+
+    def finish(self, response_id: str) -> None:
+        """All of the response's audio is queued: its ``stopped`` follows its last frame played."""
+        with self.lock:
+            self.finished.add(response_id)
+            stopped = self._stopped()
+        if stopped:
+            self.tell(stopped)
+
+    def _stopped(self) -> dict[str, Any] | None:
+        """(under the lock) The response playing has played all its audio: it stops."""
+        if self.playing is None:
+            return None
+        response_id = self.playing[0]
+        if response_id not in self.finished or any(q[0] == response_id for q in self.queue):
+            return None
+        self.finished.discard(response_id)
+        self.playing = None
+        return events_stopped(response_id)
+
+    def clear(self, mute: set[str]) -> list[tuple[str, str]]:
+        """Drop what is unplayed (and, for the responses in ``mute``, what comes later); returns the
+        (response, item) pairs whose audio was playing or cut."""
+        with self.lock:
+            cut = {(q[0], q[1]) for q in self.queue}
+            if self.playing is not None:
+                cut.add(self.playing)
+            self.queue.clear()
+            self.muted |= mute
+            self.finished -= mute
+            self.playing = None
+            return sorted(cut)
+
+    def played_ms(self, item_id: str) -> int:
+        with self.lock:
+            return self.played.get(item_id, 0) * 1000 // OPUS_RATE
+
+    def frame(self, pts: int) -> Any:
+        import av
+
+        out = np.zeros(FRAME, np.int16)
+        told: list[dict[str, Any]] = []
+        with self.lock:
+            filled = 0
+            while filled < FRAME and self.queue:
+                entry = self.queue[0]
+                response_id, item_id, pcm = entry
+                if self.playing is None or self.playing[0] != response_id:
+                    if self.playing is not None:  # the next response's audio came before the last one's end
+                        told.append(events_stopped(self.playing[0]))
+                        self.finished.discard(self.playing[0])
+                    told.append({"type": "output_audio_buffer.started", "response_id": response_id})
+                self.playing = (response_id, item_id)
+                take = min(FRAME - filled, len(pcm))
+                out[filled:filled + take] = pcm[:take]
+                self.played[item_id] = self.played.get(item_id, 0) + take
+                filled += take
+                if take == len(pcm):
+                    self.queue.popleft()
+                else:
+                    entry[2] = pcm[take:]
+            stopped = self._stopped()
+            if stopped:
+                told.append(stopped)
+        for event in told:
+            self.tell(event)
+        frame = av.AudioFrame.from_ndarray(out.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = OPUS_RATE, pts, fractions.Fraction(1, OPUS_RATE)
+        return frame
+
+
+_WATCHED = ("response.output_audio.delta", "response.output_audio.done", "response.done", "response.created",
+            "input_audio_buffer.speech_started")
+
+
+def events_stopped(response_id: str) -> dict[str, Any]:
+    return {"type": "output_audio_buffer.stopped", "response_id": response_id}
+
+
+class _DataChannel:
+    """The call's peer connection seen as _Connection's socket: text on ``oai-events`` both ways."""
+
+    def __init__(self, pc: Any) -> None:
+        self.pc = pc
+        self.channel: Any = None
+        self.opened = asyncio.Event()
+        self.gone = asyncio.Event()
+        self.incoming: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    def attach(self, channel: Any) -> None:
+        if channel.label != EVENTS_CHANNEL or self.channel is not None:
+            return
+        self.channel = channel
+        channel.on("message", lambda text: self.incoming.put_nowait(
+            {"type": "websocket.receive", "text": text if isinstance(text, str) else None}))
+        channel.on("close", self.hang_up)
+        if channel.readyState == "open":
+            self.opened.set()
+        channel.on("open", self.opened.set)
+
+    def hang_up(self) -> None:
+        if not self.gone.is_set():
+            self.gone.set()
+            self.incoming.put_nowait({"type": "websocket.disconnect"})
+
+    async def send_text(self, text: str) -> None:
+        if not self.opened.is_set():
+            opened, gone = asyncio.ensure_future(self.opened.wait()), asyncio.ensure_future(self.gone.wait())
+            await asyncio.wait({opened, gone}, return_when=asyncio.FIRST_COMPLETED)
+            opened.cancel()
+            gone.cancel()
+        if self.gone.is_set() or self.channel is None or self.channel.readyState != "open":
+            raise ConnectionError("the call is over")
+        self.channel.send(text)
+        while self.channel.bufferedAmount > CHANNEL_HIGH_BYTES and not self.gone.is_set():
+            await asyncio.sleep(0.01)
+
+    async def receive(self) -> dict[str, Any]:
+        return await self.incoming.get()
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.hang_up()
+        await self.pc.close()
+
+
+class _Call:
+    """One WebRTC call: a session of the server's, its events on the data channel, its audio on
+    the peer connection's audio track. A mixin over the server's connection class (the
+    WebSocket's: server.py's ``_Connection``, given by the server, which imports this module),
+    whose ``serve`` runs the session; this class moves its events and audio."""
+
+    session: Any
+    handlers: Any
+    server: Any
+    done: Any
+    overflow: Any
+
+    def __init__(self, server: Any, pc: Any) -> None:
+        self.id = new_id("rtc")
+        self.pc, self.channel = pc, _DataChannel(pc)
+        self.speaker = _Speaker(self._tell)
+        self.resamplers: dict[str, StreamResampler] = {}
+        self.items: dict[str, str] = {}  # response -> its audio's item
+        self.open_responses: set[str] = set()
+        self.truncated: set[tuple[str, int]] = set()
+        self.heard_at = time.monotonic()  # the last client event or microphone frame
+        super().__init__(server, self.channel, None)
+        self.handlers._handlers["output_audio_buffer.clear"] = self._client_clear
+        self.task: asyncio.Task[None] | None = None
+        pc.on("datachannel", self.channel.attach)
+        pc.on("track", self._track)
+        pc.on("connectionstatechange", self._state)
+
+    # -- the session's events, on their way to the data channel --------------------------
+
+    def _emit(self, text: str) -> None:
+        """Session.send (any thread): the reply's audio to the speaker, the rest to the client."""
+        head = text[:120]
+        if not any(f'"{kind}"' in head for kind in _WATCHED):
+            super()._emit(text)
+            return
+        event = json.loads(text)
+        kind = event["type"]
+        if kind == "response.output_audio.delta":
+            self._play(event)
+            return  # WebRTC clients hear the audio; they get no audio events
+        super()._emit(text)
+        if kind == "response.created":
+            self.open_responses.add(event["response"]["id"])
+        elif kind == "response.output_audio.done":
+            self._played_all(event["response_id"])
+        elif kind == "response.done":
+            response = event["response"]
+            self.open_responses.discard(response["id"])
+            self._played_all(response["id"])
+            if response.get("status") in ("cancelled", "failed"):
+                self._cut({response["id"]}, always=False)
+        elif kind == "input_audio_buffer.speech_started" and (
+                self.session.config.turn_detection or {}).get("interrupt_response", True):
+            # the user speaks over a reply that is still playing (its response may be done: the
+            # server plays it out in real time): it stops, as a barge-in cuts a reply under way
+            self._cut(set(), always=False)
+
+    def _tell(self, event: dict[str, Any]) -> None:
+        super()._emit(events.encode(event))
+
+    def _play(self, event: dict[str, Any]) -> None:
+        response_id = event["response_id"]
+        self.items[response_id] = event["item_id"]
+        resample = self.resamplers.get(response_id)
+        if resample is None:
+            resample = self.resamplers[response_id] = StreamResampler(self.session.config.output_rate, OPUS_RATE)
+        pcm = resample(to_float32(np.frombuffer(events.decode_pcm16(event["delta"]), "<i2")))
+        self.speaker.push(response_id, event["item_id"], (np.clip(pcm, -1, 1) * 32767).astype(np.int16))
+
+    def _played_all(self, response_id: str) -> None:
+        resample, item_id = self.resamplers.pop(response_id, None), self.items.pop(response_id, None)
+        if resample is not None and item_id is not None:
+            tail = resample(np.zeros(0, np.float32), last=True)
+            self.speaker.push(response_id, item_id, (np.clip(tail, -1, 1) * 32767).astype(np.int16))
+        self.speaker.finish(response_id)
+
+    def _cut(self, responses: set[str], *, always: bool) -> None:
+        """Drop the unplayed audio (and the later audio of ``responses``); the items cut keep, in the
+        LLM's history, what was played. ``always``: say it was cleared even with nothing to clear."""
+        cut = self.speaker.clear(responses)
+        if not cut and not always:
+            return
+        for response_id in responses | {r for r, _ in cut}:
+            self.resamplers.pop(response_id, None)
+            self.items.pop(response_id, None)
+        ids = sorted({r for r, _ in cut} or responses)
+        self._tell({"type": "output_audio_buffer.cleared", "response_id": ids[0] if ids else None})
+        for _, item_id in cut:
+            played = self.speaker.played_ms(item_id)
+            resp = self.session.by_item.get(item_id)
+            if resp is None or (item_id, played) in self.truncated:
+                continue
+            self.truncated.add((item_id, played))
+            with contextlib.suppress(ProtocolError):
+                self.session.truncate(item_id, min(played, int(resp.audio_ms)))
+
+    def _client_clear(self, event: dict[str, Any]) -> None:
+        """``output_audio_buffer.clear``: the reply stops now (a ``response.cancel`` before it ends
+        the response itself)."""
+        self._cut(set(self.open_responses), always=True)
+
+    # -- the microphone ------------------------------------------------------------------
+
+    def _track(self, track: Any) -> None:
+        if track.kind == "audio":
+            asyncio.ensure_future(self._listen(track))
+
+    async def _listen(self, track: Any) -> None:
+        from aiortc.mediastreams import MediaStreamError
+
+        session, warned = self.session, False
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            self.heard_at = time.monotonic()
+            pcm = frame.to_ndarray()
+            channels = len(frame.layout.channels)
+            if frame.format.name != "s16":
+                pcm = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+            mono = pcm.reshape(-1, channels).mean(axis=1) if channels > 1 else pcm.reshape(-1)
+            raw = mono.astype("<i2").tobytes()
+            if session.put(("audio", raw, frame.sample_rate, self.heard_at)):
+                if session.config.manual:
+                    self.handlers.buffered += len(mono) * session.config.input_rate // frame.sample_rate
+            elif not warned:
+                warned = True
+                log.warning("session %s: the server is behind on this call's audio: frames are dropped", session.id)
+
+    def _state(self) -> None:
+        if self.pc.connectionState in ("failed", "closed"):
+            self.channel.hang_up()
+
+    # -- the session --------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        """Client events until the client hangs up, stays idle (no event, no audio) too long, or the
+        graph ends; a call whose data channel does not open in CONNECT_TIMEOUT_S is hung up."""
+        idle = self.server.options.idle_timeout_s
+        begun = time.monotonic()
+        recv: asyncio.Task | None = None
+        overflow = asyncio.ensure_future(self.overflow.wait())
+        try:
+            while True:
+                if recv is None:
+                    recv = asyncio.ensure_future(self.channel.receive())
+                wait = max(0.05, min(idle - (time.monotonic() - self.heard_at), CONNECT_TIMEOUT_S))
+                finished, _ = await asyncio.wait({recv, self.done, overflow}, timeout=wait,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                if not finished:
+                    if not self.channel.opened.is_set() and time.monotonic() - begun >= CONNECT_TIMEOUT_S:
+                        log.warning("session %s: the call's data channel did not open in %g s: hung up",
+                                    self.session.id, CONNECT_TIMEOUT_S)
+                        return
+                    if time.monotonic() - self.heard_at >= idle:
+                        self.session.send(events.error("idle_timeout", f"no client event or audio for {idle:g} s "
+                                                       "(io.idle_timeout_s): the session ends", type="server_error"))
+                        return
+                    continue
+                if recv not in finished:
+                    return
+                message, recv = recv.result(), None
+                if message["type"] == "websocket.disconnect":
+                    return
+                self.heard_at = time.monotonic()
+                self.handlers.receive(message.get("text"))
+        finally:
+            overflow.cancel()
+            if recv is not None:
+                recv.cancel()
+
+    async def _drop(self, code: int, reason: str, error: dict[str, Any]) -> None:
+        """A client that does not read its events: told if it still can be, and hung up."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.channel.send_text(events.encode(error)), 1.0)
+        await self._close()
+
+    async def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.channel.close()
+
+
+class WebRTCCalls:
+    """The server's ``/v1/realtime/calls`` routes and the calls under way."""
+
+    def __init__(self, server: Any, connection: type) -> None:
+        self.server = server
+        self.call_type = type("Call", (_Call, connection), {})
+        self.calls: dict[str, Any] = {}
+        self.ice_servers = list(getattr(server.options, "ice_servers", None) or [])
+
+    def _denied(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        key = self.server.options.api_key
+        given = request.headers.get("authorization", "")
+        if not key or (given.lower().startswith("bearer ") and hmac.compare_digest(given[7:].strip().encode(),
+                                                                                   key.encode())):
+            return None
+        return JSONResponse(events.error("invalid_api_key", "missing or wrong API key: send Authorization: Bearer "
+                                         "<io.api_key>", type="authentication_error"), status_code=401)
+
+    @staticmethod
+    def _refused(status: int, code: str, message: str, kind: str = "invalid_request_error") -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(events.error(code, message, type=kind), status_code=status)
+
+    async def create(self, request: Any) -> Any:
+        """``POST /v1/realtime/calls``: an SDP offer in, the answer out (201, ``Location``)."""
+        denied = self._denied(request)
+        if denied is not None:
+            return denied
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/sdp":
+            return self._refused(415, "unsupported_media_type", f"the offer is sent as Content-Type: application/sdp "
+                                 f"(got {kind or 'none'!r}): POST the browser's offer.sdp as the body")
+        server = self.server
+        if server.open >= server.options.max_sessions:
+            return self._refused(503, "session_limit_reached", f"the server holds {server.options.max_sessions} "
+                                 "sessions (io.max_sessions); try again later", "server_error")
+        offer = (await request.body()).decode("utf-8", "replace")
+        if not offer.startswith("v=0") or "m=audio" not in offer:
+            return self._refused(400, "invalid_offer", "the body is not an SDP offer with an audio section "
+                                 "(m=audio): send the peer connection's localDescription.sdp after createOffer() "
+                                 "with a microphone track added")
+        require("aiortc", "webrtc")
+        from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+        addresses = _addresses_for(server.options.host)
+        if addresses is not None and all(ipaddress.ip_address(a).is_loopback for a in addresses):
+            offer = _loopback_only(offer)
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=_ice_servers(self.ice_servers)))
+        call = self.call_type(server, pc)
+        server.admit(call.session)
+        try:
+            with host_addresses(addresses):
+                await pc.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
+                audio = [t for t in pc.getTransceivers() if t.kind == "audio"]
+                if not audio:
+                    raise ValueError("the offer has no audio section")
+                pc.addTrack(call.speaker.track)
+                await pc.setLocalDescription(await pc.createAnswer())
+        except Exception as exc:
+            server.release(call.session)
+            await pc.close()
+            return self._refused(400, "invalid_offer", f"the SDP offer could not be answered: {exc}")
+        self.calls[call.id] = call
+        call.task = asyncio.ensure_future(self._run(call))
+        from starlette.responses import Response
+
+        return Response(pc.localDescription.sdp, status_code=201, media_type="application/sdp",
+                        headers={"Location": f"/v1/realtime/calls/{call.id}"})
+
+    async def _run(self, call: Any) -> None:
+        try:
+            await call.serve()
+        except Exception as exc:
+            log.error("session %s: the call failed: %s", call.session.id, exc)
+        finally:
+            self.calls.pop(call.id, None)
+            self.server.release(call.session)
+            with contextlib.suppress(Exception):
+                await call.pc.close()
+
+    async def hang_up(self, request: Any) -> Any:
+        """``DELETE /v1/realtime/calls/{call_id}``: the call ends (its session closes)."""
+        denied = self._denied(request)
+        if denied is not None:
+            return denied
+        call = self.calls.get(request.path_params["call_id"])
+        if call is None:
+            return self._refused(404, "call_not_found", f"no call {request.path_params['call_id']!r} on this server "
+                                 "(it ended, or never was)")
+        call.channel.hang_up()
+        from starlette.responses import Response
+
+        return Response(status_code=204)

@@ -1,0 +1,294 @@
+"""io=realtime over WebRTC (``POST /v1/realtime/calls``), with a real aiortc client: its
+microphone plays spoken WAVs (Opus, 48 kHz, over loopback ICE), its speaker records the reply,
+and Whisper listens to what it heard; the events go on the ``oai-events`` data channel.
+The real offline stack answers (Silero, Whisper tiny.en, SmolLM2 on llama-server, Piper).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.support.speech import synthesize
+from tests.support.tts_checks import transcribe, words_recovered
+
+pytest.importorskip("starlette", reason="pip install 's2s-flow[serve]'")
+pytest.importorskip("aiortc", reason="pip install 's2s-flow[webrtc]'")
+for _module in ("faster_whisper", "piper", "onnxruntime"):
+    pytest.importorskip(_module, reason="the offline stack: pip install 's2s-flow[offline]'")
+
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack  # noqa: E402
+
+from nodes.io.realtime.webrtc import host_addresses  # noqa: E402
+from tests.test_realtime import STORY, llama, serving, until  # noqa: E402,F401  (the module's llama-server)
+
+RATE = 48000
+FRAME = 960
+
+
+def _wav(tmp_path, name: str, text: str) -> Any:
+    """A spoken WAV at 48 kHz (the tests' Piper speech), as a microphone would record it."""
+    path = tmp_path / f"{name}.wav"
+    sf.write(path, np.concatenate([synthesize(text, rate=RATE), np.zeros(RATE, np.float32)]), RATE, subtype="PCM_16")
+    return path
+
+
+class Microphone(MediaStreamTrack):
+    """A microphone that plays the WAVs it is given, in real time, and silence in between."""
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = np.zeros(0, np.int16)
+        self.start: float | None = None
+        self.pts = 0
+
+    def say(self, wav) -> None:
+        pcm, rate = sf.read(wav, dtype="int16")
+        assert rate == RATE
+        self.queue = np.concatenate([self.queue, pcm])
+
+    @property
+    def speaking(self) -> bool:
+        return len(self.queue) > 0
+
+    async def recv(self) -> Any:
+        import av
+
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self.start is None:
+            self.start = time.monotonic()
+        else:
+            self.pts += FRAME
+            await asyncio.sleep(max(0.0, self.start + self.pts / RATE - time.monotonic()))
+        out = np.zeros(FRAME, np.int16)
+        take = min(FRAME, len(self.queue))
+        out[:take], self.queue = self.queue[:take], self.queue[take:]
+        frame = av.AudioFrame.from_ndarray(out.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = RATE, self.pts, fractions.Fraction(1, RATE)
+        return frame
+
+
+class Caller:
+    """One call: the peer connection, its data channel's events, and the audio its speaker got
+    (with, for each event, how many samples had arrived by then)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.mic = Microphone()
+        self.pc.addTrack(self.mic)
+        self.channel = self.pc.createDataChannel("oai-events")
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.log: list[tuple[int, dict[str, Any]]] = []  # (samples heard by then, event)
+        self.heard: list[np.ndarray] = []
+        self.samples = 0
+        self.channel.on("message", self._message)
+        self.pc.on("track", lambda track: asyncio.ensure_future(self._listen(track)))
+        self.location: str | None = None
+
+    def _message(self, text: str) -> None:
+        event = json.loads(text)
+        self.log.append((self.samples, event))
+        self.events.put_nowait(event)
+
+    async def _listen(self, track) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            pcm = frame.to_ndarray().reshape(-1, len(frame.layout.channels)).mean(axis=1)
+            assert frame.sample_rate == RATE
+            self.heard.append(pcm.astype(np.float32) / 32768)
+            self.samples += len(pcm)
+
+    async def dial(self, headers: dict[str, str] | None = None) -> None:
+        with host_addresses(["127.0.0.1"]):
+            await self.pc.setLocalDescription(await self.pc.createOffer())
+        status, answer, location = await asyncio.to_thread(
+            post, self.base + "/v1/realtime/calls", self.pc.localDescription.sdp, headers)
+        assert status == 201, answer
+        assert answer.startswith("v=0") and "opus/48000" in answer.lower()
+        self.location = location
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+
+    def mark(self) -> int:
+        return len(self.log)
+
+    async def until(self, kind: str, since: int = 0, **match: Any) -> dict[str, Any]:
+        """The first ``kind`` event (with the fields of ``match``; ``a__b`` for nested ones) from the
+        ``since``-th event on, waiting for it if it has not come yet."""
+        seen = since
+        while True:
+            for _, event in self.log[seen:]:
+                assert event["type"] != "error", event
+                if event["type"] == kind and all(_at(event, k) == v for k, v in match.items()):
+                    return event
+            seen = len(self.log)
+            try:
+                await asyncio.wait_for(self.events.get(), 120)
+            except TimeoutError:
+                raise AssertionError(f"no {kind} {match} in time; the last events: "
+                                     f"{[e['type'] for _, e in self.log[-12:]]}") from None
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.channel.send(json.dumps(event))
+
+    def audio(self, start: int, end: int | None = None) -> np.ndarray:
+        pcm = np.concatenate(self.heard) if self.heard else np.zeros(0, np.float32)
+        return pcm[start:end]
+
+
+def _at(event: dict[str, Any], path: str) -> Any:
+    for key in path.split("__"):
+        event = event.get(key) if isinstance(event, dict) else None
+    return event
+
+
+def post(url: str, body: str, headers: dict[str, str] | None = None) -> tuple[int, str, str | None]:
+    request = urllib.request.Request(url, data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/sdp", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.read().decode(), resp.headers.get("Location")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(), None
+
+
+def delete(url: str, headers: dict[str, str] | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="DELETE", headers=headers or {}),
+                                    timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _base(url: str) -> str:
+    return url.replace("ws://", "http://").removesuffix("/v1")
+
+
+def test_a_webrtc_call_hears_the_user_speaks_the_reply_and_a_barge_in_clears_it(llama, tmp_path):  # noqa: F811
+    question = _wav(tmp_path, "question", "How many kilometers are there in a marathon?")
+    story = _wav(tmp_path, "story", STORY)
+    stop = _wav(tmp_path, "stop", "Stop, what is the capital of France?")
+
+    async def call(base: str, server) -> dict[str, Any]:
+        caller = Caller(base)
+        await caller.dial()
+        created = await caller.until("session.created")
+        assert created["session"]["id"] in server.sessions
+        caller.mic.say(question)
+        heard = await caller.until("conversation.item.input_audio_transcription.completed")
+        first = await caller.until("response.created")
+        rid = first["response"]["id"]
+        started = await caller.until("output_audio_buffer.started", response_id=rid)
+        done = await caller.until("response.done", response__id=rid)
+        await caller.until("output_audio_buffer.stopped", response_id=rid)
+        reply_audio = caller.audio(next(n for n, e in caller.log if e is started))
+
+        mark = caller.mark()
+        caller.mic.say(story)
+        second = await caller.until("response.created", mark)
+        rid2 = second["response"]["id"]
+        await caller.until("output_audio_buffer.started", mark, response_id=rid2)
+        mark = caller.mark()
+        caller.mic.say(stop)  # over the reply, while it plays (its response may be done): a barge-in
+        cleared = await caller.until("output_audio_buffer.cleared", mark)
+        truncated = await caller.until("conversation.item.truncated", mark)
+        cut = await caller.until("response.done", response__id=rid2)
+        session = server.sessions[created["session"]["id"]]
+        generated_ms = session.by_item[truncated["item_id"]].audio_ms
+        third = await caller.until("response.created", mark)
+        await caller.until("output_audio_buffer.started", mark, response_id=third["response"]["id"])
+        at_clear = next(n for n, e in caller.log if e is cleared)
+        at_next = next(n for n, e in caller.log if e.get("type") == "output_audio_buffer.started"
+                       and e.get("response_id") == third["response"]["id"])
+        after_clear = caller.audio(at_clear, at_next)
+        status = await asyncio.to_thread(delete, base + caller.location)
+        await caller.pc.close()
+        return {"heard": heard, "done": done, "reply_audio": reply_audio, "cut": cut, "cleared": cleared,
+                "truncated": truncated, "generated_ms": generated_ms, "after_clear": after_clear,
+                "rid2": rid2, "delete": status, "events": [e for _, e in caller.log]}
+
+    with serving(llama, tmp_path / "run", "llm.max_tokens=120", "vad.speculate_ms=0") as (url, server):
+        got = asyncio.run(asyncio.wait_for(call(_base(url), server), 400))
+        until(lambda: not server.sessions, 30, "the hang-up to close the session")
+    assert "marathon" in got["heard"]["transcript"].lower()
+    assert got["done"]["response"]["status"] == "completed"
+    said = got["done"]["response"]["output"][0]["content"][0]["transcript"]
+    assert not [e for e in got["events"] if e["type"] == "response.output_audio.delta"], "audio goes as RTP only"
+    reply = got["reply_audio"]
+    assert len(reply) / RATE > 0.5 and np.abs(reply).max() > 0.01
+    hypothesis = transcribe(reply, RATE)
+    assert words_recovered(said, hypothesis) >= 0.5, (said, hypothesis)
+
+    if got["cut"]["response"]["status"] != "completed":  # the reply was still being made: cancelled too
+        assert got["cut"]["response"]["status"] == "cancelled"
+        assert got["cut"]["response"]["status_details"]["reason"] == "turn_detected"
+    assert got["truncated"]["item_id"] == got["cut"]["response"]["output"][0]["id"]
+    assert got["cleared"]["response_id"] == got["rid2"]
+    assert got["truncated"]["audio_end_ms"] < got["generated_ms"], "the history keeps what was played, not all"
+    quiet = got["after_clear"]
+    # what was in flight when the clear was sent may still arrive (RTP is not held back): a few
+    # frames; the rest of the cut reply never comes
+    frames = quiet[: len(quiet) // FRAME * FRAME].reshape(-1, FRAME)
+    loud = int(np.sum(np.abs(frames).max(axis=1) > 0.01))
+    assert loud <= 25, f"{loud} frames of the cut reply came after output_audio_buffer.cleared"
+    assert got["delete"] == 204
+
+
+def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_server(llama, tmp_path,  # noqa: F811
+                                                                                     monkeypatch):
+    monkeypatch.setenv("S2S_REALTIME_API_KEY", "sk-test-key")
+
+    async def offer() -> tuple[RTCPeerConnection, str]:
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTrack(Microphone())
+        pc.createDataChannel("oai-events")
+        with host_addresses(["127.0.0.1"]):
+            await pc.setLocalDescription(await pc.createOffer())
+        return pc, pc.localDescription.sdp
+
+    async def calls(base: str, server) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        pc, sdp = await offer()
+        key = {"Authorization": "Bearer sk-test-key"}
+        out["json"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp,
+                                              {**key, "Content-Type": "application/json"})
+        out["nokey"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp)
+        out["garbage"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", "hello", key)
+        out["ok"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp, key)
+        pc2, sdp2 = await offer()
+        out["full"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp2, key)
+        out["open"] = server.open
+        out["unknown"] = await asyncio.to_thread(delete, base + "/v1/realtime/calls/rtc_nope", key)
+        out["unknown_nokey"] = await asyncio.to_thread(delete, base + "/v1/realtime/calls/rtc_nope")
+        await pc.close()
+        await pc2.close()
+        return out
+
+    with serving(llama, tmp_path / "run", "io.max_sessions=1") as (url, server):
+        got = asyncio.run(asyncio.wait_for(calls(_base(url), server), 120))
+    status, body, _ = got["json"]
+    assert status == 415 and "application/sdp" in json.loads(body)["error"]["message"]
+    assert got["nokey"][0] == 401
+    assert got["garbage"][0] == 400 and "m=audio" in json.loads(got["garbage"][1])["error"]["message"]
+    assert got["ok"][0] == 201 and got["ok"][2].startswith("/v1/realtime/calls/rtc_")
+    status, body, _ = got["full"]
+    assert status == 503 and json.loads(body)["error"]["code"] == "session_limit_reached"
+    assert got["open"] == 1
+    assert (got["unknown"], got["unknown_nokey"]) == (404, 401)
