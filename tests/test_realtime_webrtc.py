@@ -7,11 +7,16 @@ The real offline stack answers (Silero, Whisper tiny.en, SmolLM2 on llama-server
 from __future__ import annotations
 
 import asyncio
+import base64
 import fractions
 import json
+import os
+import shutil
+import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -292,3 +297,79 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
     assert status == 503 and json.loads(body)["error"]["code"] == "session_limit_reached"
     assert got["open"] == 1
     assert (got["unknown"], got["unknown_nokey"]) == (404, 401)
+
+
+# -- the Agents SDK's WebRTC transport in Chromium ----------------------------------------------
+
+NODE_TESTS = Path(__file__).with_name("node")
+
+
+def _browser_tools() -> tuple[str, str]:
+    node, chromium = shutil.which("node"), shutil.which("chromium")
+    if node is None or chromium is None:
+        pytest.skip("no Node.js or Chromium: apt-get install nodejs npm chromium (scripts/bootstrap.sh does it)")
+    for package in ("@openai/agents", "playwright-core"):
+        if not (NODE_TESTS / "node_modules" / package).is_dir():
+            pytest.skip(f"{package} is not installed: npm ci --prefix tests/node (scripts/bootstrap.sh does it)")
+    return node, chromium
+
+
+def _window(pcm: np.ndarray, start: int, end: int | None = None) -> np.ndarray:
+    return pcm[max(0, start): end]
+
+
+def test_the_agents_sdk_over_webrtc_in_chromium_hears_the_user_and_a_barge_in_stops_the_reply(
+        llama, tmp_path, monkeypatch):  # noqa: F811
+    """OpenAIRealtimeWebRTC (the browser SDK's default transport) in headless Chromium, Chromium's
+    fake microphone playing a WAV: the user asks for a long story, then, once a second of it has
+    played, asks something else (the page mixes that WAV into the microphone). The SDK gets both
+    transcripts; the story's audio stops (cleared) and is truncated to what was played; the
+    second answer plays, and Whisper hears its words."""
+    node, chromium = _browser_tools()
+    monkeypatch.setenv("S2S_REALTIME_API_KEY", "ek_test_key")
+    wav, over = tmp_path / "mic.wav", tmp_path / "over.wav"
+    sf.write(wav, np.concatenate([np.zeros(RATE // 2, np.float32), synthesize(STORY, rate=RATE),
+                                  np.zeros(3 * RATE, np.float32)]), RATE, subtype="PCM_16")
+    sf.write(over, np.concatenate([synthesize("Stop, what is the capital of France?", rate=RATE),
+                                   np.zeros(RATE, np.float32)]), RATE, subtype="PCM_16")
+    out = tmp_path / "result.json"
+    with serving(llama, tmp_path / "run", "llm.max_tokens=200", "vad.speculate_ms=0") as (url, server):
+        env = {**os.environ, "S2S_BASE_URL": _base(url), "S2S_API_KEY": "ek_test_key", "S2S_WAV": str(wav),
+               "S2S_OVER_WAV": str(over), "S2S_CHROMIUM": chromium, "S2S_OUT": str(out)}
+        run = subprocess.run([node, "webrtc_browser.mjs"], cwd=NODE_TESTS, env=env, capture_output=True, text=True,
+                             timeout=420)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        until(lambda: not server.sessions, 30, "the browser's hang-up to close the session")
+    got = json.loads(out.read_text())
+    assert got["failed"] is None, got["failed"]
+    assert not got["errors"], got["errors"]
+    events = got["events"]
+    types = [e["type"] for e in events]
+    assert "response.output_audio.delta" not in types, "the audio came as RTP"
+    heard = [e["transcript"] for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert len(heard) >= 2 and "dragon" in heard[0].lower() and "france" in heard[-1].lower(), heard
+    pcm = np.frombuffer(base64.b64decode(got["pcm16"]), "<i2").astype(np.float32) / 32768
+    assert got["rate"] == RATE
+
+    cleared = next(e for e in events if e["type"] == "output_audio_buffer.cleared")
+    story = next(e for e in events if e["type"] == "output_audio_buffer.started")
+    assert cleared["response_id"] == story["response_id"], "the story was what the barge-in stopped"
+    truncated = next(e for e in events if e["type"] == "conversation.item.truncated")
+    assert truncated["audio_end_ms"] > 0
+    assert np.abs(_window(pcm, story["at"], cleared["at"])).max() > 0.01, "the story played until the barge-in"
+    after = events[events.index(cleared):]
+    answer = next(e for e in after if e["type"] == "output_audio_buffer.started")
+    stopped = next(e for e in after if e["type"] == "output_audio_buffer.stopped"
+                   and e["response_id"] == answer["response_id"])
+    quiet = _window(pcm, cleared["at"], answer["at"])
+    frames = quiet[: len(quiet) // FRAME * FRAME].reshape(-1, FRAME)
+    loud = int(np.sum(np.abs(frames).max(axis=1) > 0.01))
+    # what Chromium holds when the clear arrives still plays (its jitter buffer, Web Audio's
+    # 4096-sample blocks: some hundreds of ms); the rest of the story never comes
+    assert loud <= 75, f"{loud} frames of the cut story came after output_audio_buffer.cleared"
+
+    done = next(e for e in after if e["type"] == "response.done" and e["response"]["id"] == answer["response_id"])
+    assert done["response"]["status"] == "completed"
+    said = done["response"]["output"][0]["content"][0]["transcript"]
+    hypothesis = transcribe(_window(pcm, answer["at"] - 4096, stopped["at"] + 4096), RATE)
+    assert words_recovered(said, hypothesis) >= 0.5, (said, hypothesis)
