@@ -223,11 +223,23 @@ def test_a_webrtc_call_hears_the_user_speaks_the_reply_and_a_barge_in_clears_it(
         at_next = next(n for n, e in caller.log if e.get("type") == "output_audio_buffer.started"
                        and e.get("response_id") == third["response"]["id"])
         after_clear = caller.audio(at_clear, at_next)
+
+        # the client stops a playing reply itself, as the Agents SDK's interrupt() does
+        await caller.until("output_audio_buffer.stopped", mark, response_id=third["response"]["id"])
+        mark = caller.mark()
+        caller.mic.say(story)
+        fourth = await caller.until("response.created", mark)
+        await caller.until("output_audio_buffer.started", mark, response_id=fourth["response"]["id"])
+        caller.send({"type": "response.cancel"})
+        caller.send({"type": "output_audio_buffer.clear"})
+        stopped = await caller.until("output_audio_buffer.cleared", mark)
+        client_cut = await caller.until("conversation.item.truncated", mark)
         status = await asyncio.to_thread(delete, base + caller.location)
         await caller.pc.close()
         return {"heard": heard, "done": done, "reply_audio": reply_audio, "cut": cut, "cleared": cleared,
                 "truncated": truncated, "generated_ms": generated_ms, "after_clear": after_clear,
-                "rid2": rid2, "delete": status, "events": [e for _, e in caller.log]}
+                "rid2": rid2, "delete": status, "events": [e for _, e in caller.log], "stopped": stopped,
+                "client_cut": client_cut, "fourth": fourth["response"]["id"]}
 
     with serving(llama, tmp_path / "run", "llm.max_tokens=120", "vad.speculate_ms=0") as (url, server):
         got = asyncio.run(asyncio.wait_for(call(_base(url), server), 400))
@@ -253,6 +265,10 @@ def test_a_webrtc_call_hears_the_user_speaks_the_reply_and_a_barge_in_clears_it(
     frames = quiet[: len(quiet) // FRAME * FRAME].reshape(-1, FRAME)
     loud = int(np.sum(np.abs(frames).max(axis=1) > 0.01))
     assert loud <= 25, f"{loud} frames of the cut reply came after output_audio_buffer.cleared"
+    assert got["stopped"]["response_id"] == got["fourth"]
+    fourth_item = next(e["item"]["id"] for e in got["events"] if e["type"] == "response.output_item.added"
+                       and e["response_id"] == got["fourth"])
+    assert got["client_cut"]["item_id"] == fourth_item
     assert got["delete"] == 204
 
 
@@ -351,7 +367,8 @@ def test_the_agents_sdk_over_webrtc_in_chromium_hears_the_user_and_a_barge_in_st
     pcm = np.frombuffer(base64.b64decode(got["pcm16"]), "<i2").astype(np.float32) / 32768
     assert got["rate"] == RATE
 
-    cleared = next(e for e in events if e["type"] == "output_audio_buffer.cleared")
+    cleared = next((e for e in events if e["type"] == "output_audio_buffer.cleared"), None)
+    assert cleared is not None, f"the barge-in cleared nothing: {types}"
     story = next(e for e in events if e["type"] == "output_audio_buffer.started")
     assert cleared["response_id"] == story["response_id"], "the story was what the barge-in stopped"
     truncated = next(e for e in events if e["type"] == "conversation.item.truncated")
