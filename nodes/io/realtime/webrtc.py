@@ -168,6 +168,8 @@ class _Speaker:
     def finish(self, response_id: str) -> None:
         """All of the response's audio is queued: its ``stopped`` follows its last frame played."""
         with self.lock:
+            if response_id in self.muted:
+                return
             self.finished.add(response_id)
             stopped = self._stopped()
         if stopped:
