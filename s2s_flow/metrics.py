@@ -125,6 +125,11 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
     for row in turns:
         if row["turn"] in turn_ends:
             row["turn_end"] = turn_ends[row["turn"]].get("by")
+    # live runs: a stage whose endpoint failed on a turn (the session went on; the LLM's fallback)
+    failures = [e for e in events if e.get("kind") == "stage_failed"]
+    for row in turns:
+        row["failures"] = [{k: e.get(k) for k in ("stage", "error", "fallback")} for e in failures
+                           if e.get("turn") == row["turn"]]
     replies = [row for row in turns if row["reply"]]  # a withdrawn speculation was never a reply
     warmup = replies[0] if replies else None
     if warmup is not None:
@@ -155,6 +160,7 @@ def report(trace: Any, ring_stats: Mapping[str, Mapping[str, Any]] | None = None
         "rings": {edge: dict(s) for edge, s in ring_stats.items()},
         "drops": drops,
         "drops_total": sum(drops.values()),
+        "stage_failures": len(failures),
     }
 
 

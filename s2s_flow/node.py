@@ -77,6 +77,10 @@ class SessionHooks:
         """What the LLM sends of ``conversation`` in its next request: itself, or a view of it."""
         return conversation
 
+    def stage_failed(self, stage: str, turn: int, message: str) -> None:
+        """A stage's endpoint failed on ``turn`` in a live run and the session goes on (the node
+        has logged it and recorded it in the trace): a server's session tells its client."""
+
 
 # -- what a session may change in its own nodes ----------------------------------------------
 # A server's session (io=realtime) changes settings of its own graph's nodes mid-conversation:
@@ -171,6 +175,7 @@ class Context:
         run_state: dict[str, Any] | None = None,
         record: Callable[..., None] | None = None,
         session: SessionHooks | None = None,
+        live: bool = False,
     ) -> None:
         self.name = name
         self.run_dir = run_dir
@@ -188,6 +193,9 @@ class Context:
         self._record = record
         #: the session's decisions about its turns (a server's connection; a plain run's default)
         self.session = session or SessionHooks()
+        #: someone hears the run as it happens (its source is ``live``: the microphone, a server's
+        #: client): a stage whose endpoint fails then costs its turn, not the session
+        self.live = live
 
     @property
     def epoch(self) -> int:
@@ -236,6 +244,10 @@ class Node:
     #: parameters that hold secrets: never printed, logged or written to the run dir (the
     #: engine masks exactly these, by name: s2s_flow/redact.py)
     secret_params: ClassVar[frozenset[str]] = frozenset()
+    #: sources only: a person hears the run as it happens (the microphone, a server's client), so
+    #: an endpoint failure costs one turn (a spoken fallback, an error event), not the session;
+    #: a file run fails as a whole instead (``ctx.live`` tells every node of the graph)
+    live: ClassVar[bool] = False
 
     #: how the sessions' threads may use what ``load_shared()`` returns: "thread-safe",
     #: "locked: <why>" (the backend serialises calls), or "per session: <why>" (nothing shared)

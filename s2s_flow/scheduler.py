@@ -125,11 +125,13 @@ class Scheduler:
         turns = self._run_state.get("turns")
         self._run_state = {} if turns is None else {"turns": turns}
         runs = {name: _Running(spec, self.trace) for name, spec in graph.nodes.items()}
+        live = any(run.spec.cls.live for run in runs.values() if not run.spec.cls.inputs)
         for run in runs.values():
             run.node.ctx = Context(run.name, self.run_dir, epoch=lambda: self._epoch,
                                    interrupt=self.interrupt, stopping=self._stopping,
                                    progress=lambda text, n=run.name: self._set_progress(n, text),
-                                   run_state=self._run_state, record=self.trace.event, session=self.session)
+                                   run_state=self._run_state, record=self.trace.event, session=self.session,
+                                   live=live)
             run.node.ctx.inputs_connected = frozenset(e.dst_port for e in graph.inputs_of(run.name))
         return runs
 

@@ -386,3 +386,41 @@ def test_a_live_session_through_s2s_run_answers_and_ctrl_c_ends_it_keeping_the_t
     assert "you  " in out and "agent " in out  # the conversation was shown as it went
     rows = [json.loads(line) for line in (run_dir / "transcript.jsonl").read_text().splitlines()]
     assert rows and "paris" in rows[0]["user"].lower() and rows[0]["agent"], rows
+
+
+def test_a_live_session_whose_llm_server_is_gone_says_the_fallback_and_goes_on(pulse, tmp_path):
+    """io=mic with nothing listening at llm.base_url: the turn is answered out loud with
+    llm.fallback_reply (a live run is not ended by its endpoint), the transcript keeps it, and
+    the run goes on until Ctrl-C."""
+    import signal
+
+    from tests.support.servers import free_port
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "s2s_flow.cli", "io=mic", "tts=espeak", "stt=whisper", "llm=chat",
+           f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "llm.max_retries=0", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    speaker = Speaker("user")
+    try:
+        with Recorder("agent.monitor") as rec:
+            deadline = time.monotonic() + 120
+            while not pulse.recording("user.monitor"):  # until s2s-run's microphone stream is open
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+            time.sleep(3.0)  # past PulseAudio's start-up hold on a new capture stream
+            speaker.play(synthesize(QUESTION, 16000))
+            while not rec.loud_times() and time.monotonic() < deadline:  # the agent answers out loud
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                time.sleep(0.1)
+            time.sleep(1.0)
+            assert proc.poll() is None, "the run goes on after the failed turn"
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=10)
+    finally:
+        speaker.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "llm failed: no server at" in out + err and "saying the fallback reply" in out + err, (out, err)
+    rows = [json.loads(line) for line in (run_dir / "transcript.jsonl").read_text().splitlines()]
+    assert rows and rows[0]["agent"] == "Sorry, I couldn't answer that. Please try again.", rows

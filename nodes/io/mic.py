@@ -63,6 +63,7 @@ class MicSource(Node):
     """The microphone as ``chunk_ms`` AudioChunks at ``rate``, until Ctrl-C (or ``duration_s``)."""
 
     outputs = {"audio": AudioChunk}
+    live = True  # someone listens: a failed endpoint costs a turn (llm.fallback_reply), not the run
     list_devices = staticmethod(list_devices)  # `s2s-run --list-devices` asks the io source for it
 
     def __init__(

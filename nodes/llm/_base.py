@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from nodes._http import RemoteError
+from nodes._live import turn_failed
 from nodes._playback import playback_of, truncate_to_heard
 from nodes.llm._conversation import Conversation, Exchange, ToolCall, reply_deltas
 from nodes.llm._session import SessionLLM
@@ -52,8 +54,12 @@ class LLMBase(Node, SessionLLM):
         max_tool_rounds: int = 3,
         tool_filler: str | None = None,
         tool_filler_after_s: float = 1.0,
+        fallback_reply: str | None = None,
     ) -> None:
         check_range(max_history_turns >= 1, "max_history_turns", max_history_turns, "at least 1")
+        #: said instead of the reply when the endpoint fails before its first token, in live runs
+        #: (io=mic, io=realtime); None or empty: the turn fails (a file run always fails)
+        self.fallback_reply = (fallback_reply or "").strip() or None
         self.conversation = Conversation(system_prompt, max_history_turns)
         self.toolbox = Toolbox(tools, choice=tool_choice, timeout_s=tool_timeout_s, max_rounds=max_tool_rounds,
                                filler=tool_filler, filler_after_s=tool_filler_after_s)
@@ -102,10 +108,14 @@ class LLMBase(Node, SessionLLM):
         self._answered = (msg.turn, port)
         truncate_to_heard(self.ctx, self.conversation)  # after a barge-in: keep what was heard
         exchange = self.conversation.add_user(user, msg.turn, speculative=speculative)
-        yield from reply_deltas(
-            self._pieces(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
-            log=self.ctx.log, interrupted=lambda: self.stale(msg.turn),
-        )
+        try:
+            yield from reply_deltas(
+                self._or_fallback(exchange), turn=msg.turn, conversation=self.conversation, exchange=exchange,
+                log=self.ctx.log, interrupted=lambda: self.stale(msg.turn),
+            )
+        except RemoteError as exc:  # no fallback: the reply's end went out with the error (it fails)
+            if not turn_failed(self.ctx, "llm", msg.turn, exc):
+                raise
 
     def stale(self, turn: int) -> bool:
         """Whether a barge-in has made ``turn``'s reply unwanted."""
@@ -127,6 +137,21 @@ class LLMBase(Node, SessionLLM):
     def close(self) -> None:
         self.stop_reply()
         self.toolbox.wake()
+
+    def _or_fallback(self, exchange: Exchange) -> Iterator[str]:
+        """The reply; in a live run, ``fallback_reply`` instead when the endpoint failed before
+        the reply's first words (refused, 5xx after the retries, a timeout, a server gone)."""
+        spoke = False
+        try:
+            for piece in self._pieces(exchange):
+                spoke = spoke or bool(piece)
+                yield piece
+        except RemoteError as exc:
+            if spoke or not self.fallback_reply or self.stale(exchange.turn):
+                raise
+            if not turn_failed(self.ctx, "llm", exchange.turn, exc, fallback=self.fallback_reply):
+                raise
+            yield self.fallback_reply
 
     def _pieces(self, exchange: Exchange) -> Iterator[str]:
         """The reply's text; with tools, the rounds of calls it takes to get there."""

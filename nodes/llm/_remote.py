@@ -168,7 +168,12 @@ class RemoteLLM(LLMBase):
         try:
             models = self.client.open()
         except RemoteError as exc:
-            raise self.explain(exc) from None
+            if not self.ctx.live:
+                raise self.explain(exc) from None
+            # a live session outlives a server that is down (a managed one being restarted) or that
+            # refuses it: each turn asks again, says the fallback reply and tells why (an error event)
+            self.ctx.log.warning("%s: the session starts, each turn asks again", self.explain(exc))
+            models = []
         if self.model and models and self.model not in models:
             self.ctx.log.warning(
                 "llm.model=%r is not among the models %s lists (%s); the request may fail",

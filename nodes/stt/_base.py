@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nodes._http import RemoteError
+from nodes._live import turn_failed
 from s2s_flow.audio import resample
 from s2s_flow.messages import Speech, Transcript
 from s2s_flow.node import Node
@@ -73,7 +75,15 @@ class UtteranceSTT(Node):
         audio = resample(msg.pcm, msg.rate, self.input_rate)
         if len(audio) == 0:
             return
-        text, language = self._decode(msg, audio)
+        try:
+            text, language = self._decode(msg, audio)
+        except RemoteError as exc:  # live: the turn has no transcript, the session goes on
+            if msg.speculative and self.ctx.live:  # its confirmation asks again, and tells if it fails
+                self.ctx.log.warning("turn %d: the early transcript failed: %s", msg.turn, exc)
+                return
+            if not turn_failed(self.ctx, "stt", msg.turn, exc):
+                raise
+            return
         if not text:  # nothing for the LLM to answer; the turn ends here
             self.ctx.log.info("turn %d: no words recognised in %.2f s of speech",
                               msg.turn, msg.end - msg.start)

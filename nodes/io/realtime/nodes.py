@@ -77,6 +77,7 @@ class RealtimeSource(Node):
     """
 
     outputs = {"audio": AudioChunk, "text": Transcript, "speech": Speech}
+    live = True  # a client listens: a failed endpoint costs a turn (llm.fallback_reply), not the session
     joins = frozenset({"text", "speech"})
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.

@@ -266,6 +266,11 @@ def transcription_completed(item_id: str, transcript: str) -> dict[str, Any]:
             "content_index": 0, "transcript": transcript, "usage": None}
 
 
+def transcription_failed(item_id: str, message: str) -> dict[str, Any]:
+    return {"type": "conversation.item.input_audio_transcription.failed", "item_id": item_id, "content_index": 0,
+            "error": {"type": "server_error", "code": "stt_failed", "message": message, "param": None}}
+
+
 # the conversation's items
 
 def message_item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:

@@ -91,6 +91,9 @@ class _Metrics:
         self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
         self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
                                     registry=self.registry)
+        self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "
+                                     "llm.fallback_reply, or an error event)", ["stage"], registry=self.registry)
+        self.registry.register(_RestartCollector(prom))
         self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
                                   "sent", registry=self.registry,
                                   buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
@@ -100,9 +103,28 @@ class _Metrics:
             self.turns.inc()
         elif name == "voice_to_voice_s":
             self.v2v.observe(value)
+        elif name == "stage_failed":
+            self.failures.labels(str(value)).inc()
 
     def text(self) -> bytes:
         return self.prom.generate_latest(self.registry)
+
+
+class _RestartCollector:
+    """``s2s_model_server_restarts_total{server}``: the restarts of the recipe's model server
+    (s2s_flow/server_watch.py counts them for the whole process)."""
+
+    def __init__(self, prom: Any) -> None:
+        self._family = prom.metrics_core.CounterMetricFamily
+
+    def collect(self) -> Any:
+        from s2s_flow.server_watch import restarts
+
+        family = self._family("s2s_model_server_restarts", "Restarts of a managed model server (it exited "
+                              "or stopped answering)", labels=["server"])
+        for server, count in restarts().items():
+            family.add_metric([server], count)
+        yield family
 
 
 class RealtimeServer:

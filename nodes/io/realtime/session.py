@@ -417,6 +417,15 @@ class Session(SessionHooks):
             for resp in [r for r in self.responses.values() if not r.done]:
                 self.fail(resp, "server_error", message, kind="server_error")
 
+    def stage_failed(self, stage: str, turn: int, message: str) -> None:
+        """The session goes on: an ``error`` (``<stage>_failed``); an STT's item: transcription failed."""
+        if stage == "stt" and (item_id := self.user_items.get(turn)) is not None:
+            self._replying.discard(turn)  # no reply is waited for
+            self.send(events.transcription_failed(item_id, message))
+        if self.observe is not None:
+            self.observe("stage_failed", stage)
+        self.send(events.error(f"{stage}_failed", message, type="server_error"))
+
     def end_with_calls(self, turn: int, calls: list[ClientCall]) -> None:
         """The LLM called client tools: one response that ends with the calls (the client answers
         them, then asks for the next response)."""
