@@ -131,7 +131,8 @@ class RealtimeSource(Node):
     def serves(self) -> str:
         """Where clients connect (shown by dry_run=true)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/)"
+        return (f"ws://{host}:{self.port}/v1/realtime (WebRTC: POST http://{host}:{self.port}/v1/realtime/calls; "
+                f"page: http://{host}:{self.port}/)")
 
     def port_rate(self, port: str) -> int | None:
         return self.rate if port == "audio" else None
