@@ -390,3 +390,23 @@ def test_the_agents_sdk_over_webrtc_in_chromium_hears_the_user_and_a_barge_in_st
     said = done["response"]["output"][0]["content"][0]["transcript"]
     hypothesis = transcribe(_window(pcm, answer["at"] - 4096, stopped["at"] + 4096), RATE)
     assert words_recovered(said, hypothesis) >= 0.5, (said, hypothesis)
+
+
+def test_ice_servers_are_checked_at_compose_time_and_their_credentials_masked():
+    from s2s_flow import redact
+    from s2s_flow.cli import plan
+    from s2s_flow.compose import compose
+    from s2s_flow.errors import ConfigError
+
+    base = ["recipe=local_cpu", "server=null", "io=realtime", "io.port=0"]
+    good = 'io.webrtc.ice_servers=[{urls: "stun:stun.example.org:3478"}, {urls: ["turn:turn.example.org:3478"], ' \
+           'username: s2s, credential: turn-secret-42}]'
+    cfg, choices = compose([*base, good])
+    source = plan(cfg, choices).nodes["source"].node
+    assert [s["urls"] for s in source.ice_servers] == ["stun:stun.example.org:3478", "turn:turn.example.org:3478"]
+    assert "turn-secret-42" not in json.dumps(redact.masked(cfg))
+    for bad, says in (('io.webrtc.ice_servers=[{urls: "http://example.org"}]', "stun:HOST:PORT"),
+                      ('io.webrtc.ice_servers=[{urls: "turn:turn.example.org:3478"}]', "username and credential")):
+        cfg, choices = compose([*base, bad])
+        with pytest.raises(ConfigError, match=says):
+            plan(cfg, choices)
