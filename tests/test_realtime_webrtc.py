@@ -292,6 +292,13 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
                                               {**key, "Content-Type": "application/json"})
         out["nokey"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp)
         out["garbage"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", "hello", key)
+        audio_only = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        audio_only.addTrack(Microphone())
+        with host_addresses(["127.0.0.1"]):
+            await audio_only.setLocalDescription(await audio_only.createOffer())
+        out["no_channel"] = await asyncio.to_thread(post, base + "/v1/realtime/calls",
+                                                    audio_only.localDescription.sdp, key)
+        await audio_only.close()
         out["ok"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp, key)
         pc2, sdp2 = await offer()
         out["full"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp2, key)
@@ -308,6 +315,7 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
     assert status == 415 and "application/sdp" in json.loads(body)["error"]["message"]
     assert got["nokey"][0] == 401
     assert got["garbage"][0] == 400 and "m=audio" in json.loads(got["garbage"][1])["error"]["message"]
+    assert got["no_channel"][0] == 400 and "oai-events" in json.loads(got["no_channel"][1])["error"]["message"]
     assert got["ok"][0] == 201 and got["ok"][2].startswith("/v1/realtime/calls/rtc_")
     status, body, _ = got["full"]
     assert status == 503 and json.loads(body)["error"]["code"] == "session_limit_reached"

@@ -48,6 +48,7 @@ log = logging.getLogger("s2s_flow.realtime")
 CONNECT_TIMEOUT_S = 30.0  # a call whose data channel is not open by then is hung up
 CHANNEL_HIGH_BYTES = 1 << 20  # the data channel's send buffer: above it, the sender waits
 EVENTS_CHANNEL = "oai-events"
+MAX_OFFER_BYTES = 1 << 16  # a browser's offer is a few kB
 _LOOPBACK_HOSTS = {"127.0.0.1": ["127.0.0.1"], "localhost": ["127.0.0.1"], "::1": ["::1"]}
 _ALL = ("0.0.0.0", "::", "")
 
@@ -84,9 +85,13 @@ def host_addresses(addresses: list[str] | None) -> Iterator[None]:
 
 
 def _addresses_for(host: str) -> list[str] | None:
+    """The host candidates' addresses for a server bound to ``host`` (None: every interface's)."""
     if host in _LOOPBACK_HOSTS:
         return _LOOPBACK_HOSTS[host]
-    return None if host in _ALL else [host]
+    try:
+        return [str(ipaddress.ip_address(host))] if host not in _ALL else None
+    except ValueError:  # a host name: every interface
+        return None
 
 
 def _loopback_only(sdp: str) -> str:
@@ -216,7 +221,7 @@ class _Call:
                 self.session.config.turn_detection or {}).get("interrupt_response", True):
             # the user speaks over a reply that is still playing (its response may be done: the
             # server plays it out in real time): it stops, as a barge-in cuts a reply under way
-            self._cut(set(), always=False)
+            self._cut(set(self.open_responses), always=False)
 
     def _tell(self, event: dict[str, Any]) -> None:
         super()._emit(events.encode(event))
@@ -383,11 +388,16 @@ class WebRTCCalls:
         if server.open >= server.options.max_sessions:
             return self._refused(503, "session_limit_reached", f"the server holds {server.options.max_sessions} "
                                  "sessions (io.max_sessions); try again later", "server_error")
-        offer = (await request.body()).decode("utf-8", "replace")
-        if not offer.startswith("v=0") or "m=audio" not in offer:
+        body = await request.body()
+        if len(body) > MAX_OFFER_BYTES:
+            return self._refused(413, "offer_too_large", f"a {len(body)}-byte offer is over {MAX_OFFER_BYTES} "
+                                 "bytes: send the peer connection's localDescription.sdp, nothing else")
+        offer = body.decode("utf-8", "replace")
+        if not offer.startswith("v=0") or "m=audio" not in offer or "m=application" not in offer:
             return self._refused(400, "invalid_offer", "the body is not an SDP offer with an audio section "
-                                 "(m=audio): send the peer connection's localDescription.sdp after createOffer() "
-                                 "with a microphone track added")
+                                 "(m=audio) and a data channel (m=application): send the peer connection's "
+                                 "localDescription.sdp after addTrack(microphone), createDataChannel('oai-events') "
+                                 "and createOffer()")
         require("aiortc", "webrtc")
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
