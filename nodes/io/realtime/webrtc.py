@@ -29,6 +29,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -185,6 +186,7 @@ class _Call:
         self.items: dict[str, str] = {}  # response -> its audio's item
         self.open_responses: set[str] = set()
         self.truncated: set[tuple[str, int]] = set()
+        self.books = threading.Lock()  # the four above: the graph's threads and the event loop change them
         self.heard_at = time.monotonic()  # the last client event or microphone frame
         super().__init__(server, self.channel, None)
         self.handlers._handlers["output_audio_buffer.clear"] = self._client_clear
@@ -208,12 +210,14 @@ class _Call:
             return  # WebRTC clients hear the audio; they get no audio events
         super()._emit(text)
         if kind == "response.created":
-            self.open_responses.add(event["response"]["id"])
+            with self.books:
+                self.open_responses.add(event["response"]["id"])
         elif kind == "response.output_audio.done":
             self._played_all(event["response_id"])
         elif kind == "response.done":
             response = event["response"]
-            self.open_responses.discard(response["id"])
+            with self.books:
+                self.open_responses.discard(response["id"])
             self._played_all(response["id"])
             if response.get("status") in ("cancelled", "failed"):
                 self._cut({response["id"]}, always=False)
@@ -221,22 +225,28 @@ class _Call:
                 self.session.config.turn_detection or {}).get("interrupt_response", True):
             # the user speaks over a reply that is still playing (its response may be done: the
             # server plays it out in real time): it stops, as a barge-in cuts a reply under way
-            self._cut(set(self.open_responses), always=False)
+            self._cut(self._open(), always=False)
+
+    def _open(self) -> set[str]:
+        with self.books:
+            return set(self.open_responses)
 
     def _tell(self, event: dict[str, Any]) -> None:
         super()._emit(events.encode(event))
 
     def _play(self, event: dict[str, Any]) -> None:
         response_id = event["response_id"]
-        self.items[response_id] = event["item_id"]
-        resample = self.resamplers.get(response_id)
-        if resample is None:
-            resample = self.resamplers[response_id] = StreamResampler(self.session.config.output_rate, OPUS_RATE)
+        with self.books:
+            self.items[response_id] = event["item_id"]
+            resample = self.resamplers.get(response_id)
+            if resample is None:
+                resample = self.resamplers[response_id] = StreamResampler(self.session.config.output_rate, OPUS_RATE)
         pcm = resample(to_float32(np.frombuffer(events.decode_pcm16(event["delta"]), "<i2")))
         self.speaker.push(response_id, event["item_id"], (np.clip(pcm, -1, 1) * 32767).astype(np.int16))
 
     def _played_all(self, response_id: str) -> None:
-        resample, item_id = self.resamplers.pop(response_id, None), self.items.pop(response_id, None)
+        with self.books:
+            resample, item_id = self.resamplers.pop(response_id, None), self.items.pop(response_id, None)
         if resample is not None and item_id is not None:
             tail = resample(np.zeros(0, np.float32), last=True)
             self.speaker.push(response_id, item_id, (np.clip(tail, -1, 1) * 32767).astype(np.int16))
@@ -248,24 +258,26 @@ class _Call:
         cut = self.speaker.clear(responses)
         if not cut and not always:
             return
-        for response_id in responses | {r for r, _ in cut}:
-            self.resamplers.pop(response_id, None)
-            self.items.pop(response_id, None)
+        with self.books:
+            for response_id in responses | {r for r, _ in cut}:
+                self.resamplers.pop(response_id, None)
+                self.items.pop(response_id, None)
         ids = sorted({r for r, _ in cut} or responses)
         self._tell({"type": "output_audio_buffer.cleared", "response_id": ids[0] if ids else None})
-        for _, item_id in cut:
+        for _, item_id in cut:  # (outside self.books: truncate takes the session's lock)
             played = self.speaker.played_ms(item_id)
             resp = self.session.by_item.get(item_id)
-            if resp is None or (item_id, played) in self.truncated:
-                continue
-            self.truncated.add((item_id, played))
+            with self.books:
+                if resp is None or (item_id, played) in self.truncated:
+                    continue
+                self.truncated.add((item_id, played))
             with contextlib.suppress(ProtocolError):
                 self.session.truncate(item_id, min(played, int(resp.audio_ms)))
 
     def _client_clear(self, event: dict[str, Any]) -> None:
         """``output_audio_buffer.clear``: the reply stops now (a ``response.cancel`` before it ends
         the response itself)."""
-        self._cut(set(self.open_responses), always=True)
+        self._cut(self._open(), always=True)
 
     # -- the microphone ------------------------------------------------------------------
 
@@ -283,11 +295,11 @@ class _Call:
             except MediaStreamError:
                 return
             self.heard_at = time.monotonic()
-            pcm = frame.to_ndarray()
-            channels = len(frame.layout.channels)
-            if frame.format.name != "s16":
+            pcm, channels = frame.to_ndarray(), len(frame.layout.channels)
+            pcm = pcm.T if frame.format.is_planar else pcm.reshape(-1, channels)  # samples x channels
+            if frame.format.name not in ("s16", "s16p"):
                 pcm = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
-            mono = pcm.reshape(-1, channels).mean(axis=1) if channels > 1 else pcm.reshape(-1)
+            mono = pcm.mean(axis=1) if channels > 1 else pcm.reshape(-1)
             raw = mono.astype("<i2").tobytes()
             if session.put(("audio", raw, frame.sample_rate, self.heard_at)):
                 if session.config.manual:
