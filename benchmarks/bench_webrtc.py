@@ -10,7 +10,10 @@ once the previous reply has played out (``output_audio_buffer.stopped``). Voice-
 audible frame of the reply received - the moment the prompt's true end of speech was "recorded".
 Pacing: the gaps between the reply's received frames (p50/p95/max; 20 ms is perfect pacing) and
 the frames received per second of the call, silence included (50 is one per 20 ms). Both sides
-read the machine's one monotonic clock. On a shared or loaded machine the figures are indicative only.
+read the machine's one monotonic clock. ``--idle-s 20``: instead, one call that stays silent both
+ways for that long (the microphone sends silence, the server its silent frames), and the server
+process's CPU time per second of it, beside the same process with no call (Opus both ways, the
+session's VAD on the silence). On a shared or loaded machine the figures are indicative only.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ RATE = 48000
 FRAME = RATE // 50
 
 
-async def client(base: str, prompts: list[tuple[np.ndarray, float]]) -> dict[str, Any]:
+async def client(base: str, prompts: list[tuple[np.ndarray, float]], idle_s: float = 0.0) -> dict[str, Any]:
     import urllib.request
 
     import av
@@ -100,6 +103,10 @@ async def client(base: str, prompts: list[tuple[np.ndarray, float]]) -> dict[str
                 return event
 
     await until("session.created")
+    if idle_s:
+        await asyncio.sleep(idle_s)
+        await pc.close()
+        return {"idle_s": idle_s, "frames": len(arrivals)}
     turns, gaps = [], []
     for pcm, speech_end_s in prompts:
         while mic.start is None:
@@ -127,6 +134,7 @@ async def client(base: str, prompts: list[tuple[np.ndarray, float]]) -> dict[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8, help="play the first N prompts of the corpus")
+    ap.add_argument("--idle-s", type=float, default=0.0, help="one silent call this long: the server's CPU")
     ap.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # the client process: call URL
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-webrtc-")))
     ap.add_argument("overrides", nargs="*")
@@ -141,7 +149,7 @@ def main() -> None:
         pcm, rate = sf.read(directory / e["file"], dtype="float32")
         prompts.append((resample(pcm, rate, RATE), float(e["speech_end_s"])))
     if args.client:
-        print(json.dumps(asyncio.run(client(args.client, prompts))))
+        print(json.dumps(asyncio.run(client(args.client, prompts, args.idle_s))))
         return
     from nodes.io.realtime.server import RealtimeServer
 
@@ -151,6 +159,10 @@ def main() -> None:
         server = RealtimeServer(lambda: plan(cfg, choices), graph.nodes["source"].node, args.out / "realtime")
         url = server.start().replace("ws://", "http://").removesuffix("/v1")
         try:
+            if args.idle_s:
+                report = idle_cpu(url, args)
+                print(json.dumps(report, indent=1))
+                return
             out = subprocess.run([sys.executable, __file__, "--client", url, "--prompts", str(args.prompts),
                                   *args.overrides], capture_output=True, text=True, check=True)
         finally:
@@ -163,6 +175,27 @@ def main() -> None:
               "frames_per_s": round(got["frames_per_s"], 2) if got["frames_per_s"] else None}
     print(json.dumps(report, indent=1))
     (args.out / "bench_webrtc.json").write_text(json.dumps(report, indent=1))
+
+
+def idle_cpu(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The server process's CPU (% of one core) with no call, then during one silent call."""
+    import resource
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(args.idle_s)
+    no_call = 100 * (cpu() - c0) / (time.monotonic() - t0)
+    proc = subprocess.Popen([sys.executable, __file__, "--client", url, "--prompts", "1", "--idle-s",
+                             str(args.idle_s), *args.overrides], stdout=subprocess.PIPE, text=True)
+    c0, t0 = cpu(), time.monotonic()
+    out, _ = proc.communicate(timeout=args.idle_s + 120)
+    call = 100 * (cpu() - c0) / (time.monotonic() - t0)
+    got = json.loads(out.strip().splitlines()[-1])
+    return {"server_cpu_pct_no_call": round(no_call, 1), "server_cpu_pct_one_silent_call": round(call, 1),
+            "seconds": args.idle_s, "frames_received": got["frames"]}
 
 
 if __name__ == "__main__":
