@@ -21,6 +21,7 @@ command -v g++ >/dev/null || need_apt+=(g++)
 dpkg -s libssl-dev >/dev/null 2>&1 || [ -f /usr/include/openssl/ssl.h ] || need_apt+=(libssl-dev)
 command -v openssl >/dev/null || need_apt+=(openssl)
 command -v chromium >/dev/null || need_apt+=(chromium)  # io=realtime's browser page, tested in headless Chromium
+command -v npm >/dev/null || need_apt+=(nodejs npm)  # the Agents SDK tests of io=realtime (tests/node/)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     say "apt-get install ${need_apt[*]}"
@@ -59,5 +60,13 @@ if [ ! -f "$wheel_stamp" ] || ! "$VENV/bin/python" -c 'import importlib.util as 
   say "installing llama-cpp-python's server from $wheel"
   "${PIP[@]}" install "llama_cpp_python[server] @ file://$wheel"
   rm -f "$VENV"/.s2s-python-*; touch "$wheel_stamp"
+fi
+# 5. The Agents SDK (@openai/agents, pinned in tests/node/package-lock.json) for the Node tests of
+#    io=realtime (tests/test_realtime_agents.py runs `node --test tests/node/`); Node 20 or Debian's nodejs.
+if command -v npm >/dev/null; then
+  lock_stamp="tests/node/node_modules/.s2s-$(sha1sum tests/node/package-lock.json | cut -c1-12)"
+  [ -f "$lock_stamp" ] || { say "npm ci in tests/node"; npm ci --prefix tests/node --no-audit --no-fund >/dev/null && touch "$lock_stamp"; }
+else
+  say "no npm: the Node tests of io=realtime will be skipped (apt-get install nodejs npm)"
 fi
 say "ready: $VENV/bin/s2s-run"
