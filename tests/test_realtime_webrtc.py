@@ -418,3 +418,30 @@ def test_ice_servers_are_checked_at_compose_time_and_their_credentials_masked():
         cfg, choices = compose([*base, bad])
         with pytest.raises(ConfigError, match=says):
             plan(cfg, choices)
+
+
+def test_the_openai_sdks_calls_create_offer_with_its_session_settings(llama, tmp_path, monkeypatch):  # noqa: F811
+    """``AsyncOpenAI.realtime.calls.create`` (openai 3.57) posts the offer as multipart/form-data with
+    the session's settings: the answer comes back, and the call's session takes the settings as its
+    first update (session.updated on the data channel)."""
+    openai = pytest.importorskip("openai", reason="pip install 's2s-flow[bench]'")
+    monkeypatch.setenv("S2S_REALTIME_API_KEY", "sk-test-key")
+
+    async def call(base: str) -> list[dict[str, Any]]:
+        caller = Caller(base)
+        with host_addresses(["127.0.0.1"]):
+            await caller.pc.setLocalDescription(await caller.pc.createOffer())
+        sdk = openai.AsyncOpenAI(api_key="sk-test-key", base_url=base + "/v1")
+        answer = await sdk.realtime.calls.create(sdp=caller.pc.localDescription.sdp, session={
+            "type": "realtime", "instructions": "Answer in one word.", "output_modalities": ["text"]})
+        await caller.pc.setRemoteDescription(RTCSessionDescription(sdp=answer.text, type="answer"))
+        await caller.until("session.created")
+        updated = await caller.until("session.updated")
+        await caller.pc.close()
+        return [updated]
+
+    with serving(llama, tmp_path / "run") as (url, server):
+        updated, = asyncio.run(asyncio.wait_for(call(_base(url)), 120))
+        until(lambda: not server.sessions, 60, "the closed call to end its session")
+    assert updated["session"]["instructions"] == "Answer in one word."
+    assert updated["session"]["output_modalities"] == ["text"]

@@ -40,6 +40,7 @@ from nodes.io.realtime import protocol as events
 from nodes.io.realtime.protocol import ProtocolError, new_id
 from nodes.io.realtime.speaker import OPUS_RATE, Speaker
 from s2s_flow.audio import StreamResampler, to_float32
+from s2s_flow.errors import MissingDependency
 from s2s_flow.node import require
 
 __all__ = ["WebRTCCalls", "host_addresses"]
@@ -361,6 +362,22 @@ class _Call:
             await self.channel.close()
 
 
+async def _form(request: Any) -> tuple[bytes, Any]:
+    """A multipart offer (the openai SDK's ``realtime.calls.create``): its ``sdp`` and ``session``."""
+    require("python_multipart", "webrtc", pip_name="python-multipart")
+    form = await request.form()
+    sdp, session = form.get("sdp"), form.get("session")
+    sdp = await sdp.read() if hasattr(sdp, "read") else (sdp or "").encode()
+    if session is not None:
+        text = await session.read() if hasattr(session, "read") else session
+        try:
+            session = json.loads(text)
+        except ValueError:
+            raise ValueError("the form's 'session' is not JSON: send the session settings as session.update "
+                             "takes them") from None
+    return sdp, session
+
+
 class WebRTCCalls:
     """The server's ``/v1/realtime/calls`` routes and the calls under way."""
 
@@ -393,24 +410,33 @@ class WebRTCCalls:
         if denied is not None:
             return denied
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/sdp":
+        if kind not in ("application/sdp", "multipart/form-data"):
             return self._refused(415, "unsupported_media_type", f"the offer is sent as Content-Type: application/sdp "
-                                 f"(got {kind or 'none'!r}): POST the browser's offer.sdp as the body")
+                                 f"(got {kind or 'none'!r}): POST the browser's offer.sdp as the body (or "
+                                 "multipart/form-data with the fields sdp and session, as the openai SDK does)")
         server = self.server
         if server.open >= server.options.max_sessions:
             return self._refused(503, "session_limit_reached", f"the server holds {server.options.max_sessions} "
                                  "sessions (io.max_sessions); try again later", "server_error")
-        body = await request.body()
+        if int(request.headers.get("content-length") or 0) > MAX_OFFER_BYTES:
+            return self._too_large()
+        body, update = await request.body(), None
         if len(body) > MAX_OFFER_BYTES:
-            return self._refused(413, "offer_too_large", f"a {len(body)}-byte offer is over {MAX_OFFER_BYTES} "
-                                 "bytes: send the peer connection's localDescription.sdp, nothing else")
+            return self._too_large()
+        try:
+            require("aiortc", "webrtc")
+            if kind == "multipart/form-data":
+                body, update = await _form(request)
+        except MissingDependency as exc:
+            return self._refused(501, "webrtc_not_installed", str(exc), "server_error")
+        except ValueError as exc:
+            return self._refused(400, "invalid_offer", str(exc))
         offer = body.decode("utf-8", "replace")
         if not offer.startswith("v=0") or "m=audio" not in offer or "m=application" not in offer:
             return self._refused(400, "invalid_offer", "the body is not an SDP offer with an audio section "
                                  "(m=audio) and a data channel (m=application): send the peer connection's "
                                  "localDescription.sdp after addTrack(microphone), createDataChannel('oai-events') "
                                  "and createOffer()")
-        require("aiortc", "webrtc")
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
         addresses = _addresses_for(server.options.host)
@@ -432,11 +458,18 @@ class WebRTCCalls:
             await pc.close()
             return self._refused(400, "invalid_offer", f"the SDP offer could not be answered: {exc}")
         self.calls[call.id] = call
+        if update is not None:  # the form's session: the call's first client event
+            call.channel.incoming.put_nowait({"type": "websocket.receive", "text": json.dumps(
+                {"type": "session.update", "session": update})})
         call.task = asyncio.ensure_future(self._run(call))
         from starlette.responses import Response
 
         return Response(pc.localDescription.sdp, status_code=201, media_type="application/sdp",
                         headers={"Location": f"/v1/realtime/calls/{call.id}"})
+
+    def _too_large(self) -> Any:
+        return self._refused(413, "offer_too_large", f"the offer is over {MAX_OFFER_BYTES} bytes: send the peer "
+                             "connection's localDescription.sdp, nothing else")
 
     async def _run(self, call: Any) -> None:
         try:
