@@ -7,7 +7,9 @@ A server on a free port (``POST /v1/realtime/calls``); one aiortc client, in a p
 (as a real client would be: not on the server's GIL), calls it over loopback ICE and plays the
 ``bench=latency`` corpus as its microphone (Opus, 48 kHz, a 20 ms frame every 20 ms), each prompt
 once the previous reply has played out (``output_audio_buffer.stopped``). Voice-to-voice: the first
-audible frame of the reply received - the moment the prompt's true end of speech was "recorded".
+audible frame of the reply received (a sample over 300 of 32767: the TTS's leading silence counts,
+where bench_realtime.py takes the first audio delta) - the moment the prompt's true end of speech
+was "recorded".
 Pacing: the gaps between the reply's received frames (p50/p95/max; 20 ms is perfect pacing) and
 the frames received per second of the call, silence included (50 is one per 20 ms). Both sides
 read the machine's one monotonic clock. ``--idle-s 20``: instead, one call that stays silent both
