@@ -89,7 +89,8 @@ class ClientEvents:
     # -- the input audio buffer ---------------------------------------------------------------
 
     def append(self, event: dict[str, Any]) -> None:
-        raw, session = decode_pcm16(event.get("audio")), self.session
+        session = self.session
+        raw = decode_pcm16(event.get("audio"), session.config.input_format)
         if session.config.manual:
             limit = MAX_BUFFER_S * session.config.input_rate
             if self.buffered + len(raw) // 2 > limit:

@@ -24,6 +24,7 @@ from nodes._playback import playback_of
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.response import Response
 from nodes.io.realtime.session import Session
+from nodes.io.realtime.twilio import TWILIO_TOKEN_ENV
 from s2s_flow.audio import LowLatencyResampler, StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStarted, TextDelta, Transcript
@@ -82,7 +83,7 @@ class RealtimeSource(Node):
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.
     port_rings = {"audio": (128, "block")}
-    secret_params = frozenset({"api_key", "webrtc"})  # webrtc: its TURN credentials
+    secret_params = frozenset({"api_key", "twilio_auth_token", "webrtc"})  # webrtc: its TURN credentials
 
     def __init__(
         self,
@@ -98,6 +99,9 @@ class RealtimeSource(Node):
         rate: int = 16000,
         chunk_ms: int = 20,
         webrtc: Mapping[str, Any] | None = None,
+        twilio_voice: str | None = None,
+        twilio_instructions: str | None = None,
+        twilio_auth_token: str | None = None,
     ) -> None:
         _check_rate(rate)
         if not 0 <= port <= 65535:
@@ -125,14 +129,16 @@ class RealtimeSource(Node):
         self.max_queued_bytes = max_queued_bytes
         self.rate, self.chunk_ms = rate, chunk_ms
         self.ice_servers = _ice_servers((webrtc or {}).get("ice_servers"))
+        self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions
+        self.twilio_auth_token = twilio_auth_token or os.environ.get(TWILIO_TOKEN_ENV) or None
         self.session: Session | None = None
 
     @property
     def serves(self) -> str:
         """Where clients connect (shown by dry_run=true)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return (f"ws://{host}:{self.port}/v1/realtime (WebRTC: POST http://{host}:{self.port}/v1/realtime/calls; "
-                f"page: http://{host}:{self.port}/)")
+        return (f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/, Twilio Media Streams: "
+                f"ws://{host}:{self.port}/v1/twilio, WebRTC: POST http://{host}:{self.port}/v1/realtime/calls)")
 
     def port_rate(self, port: str) -> int | None:
         return self.rate if port == "audio" else None

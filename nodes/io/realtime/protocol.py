@@ -8,7 +8,6 @@ transport (server.py) moves the encoded text.
 from __future__ import annotations
 
 import base64
-import binascii
 import copy
 import itertools
 import json
@@ -16,6 +15,8 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from nodes.io.realtime import g711
 
 __all__ = ["ProtocolError", "SessionConfig", "new_id", "encode", "error", "decode_pcm16", "message_item",
            "response_modalities", "response_instructions", "CLIENT_EVENTS"]  # and the event builders below
@@ -44,33 +45,38 @@ class ProtocolError(Exception):
         self.code, self.message, self.param, self.type = code, message, param, type
 
 
-def decode_pcm16(audio: Any) -> bytes:
-    """``input_audio_buffer.append``'s ``audio``: base64 of 16-bit little-endian PCM, or ProtocolError."""
-    if not isinstance(audio, str) or not audio:
-        raise ProtocolError("invalid_audio", "input_audio_buffer.append needs 'audio': base64 of PCM16 samples",
-                            param="audio")
+def decode_pcm16(audio: Any, fmt: str = "audio/pcm") -> bytes:
+    """``input_audio_buffer.append``'s ``audio``: base64 in the session's input format (PCM16, or
+    G.711 at 8 kHz) as 16-bit little-endian PCM, or ProtocolError."""
     try:
-        raw = base64.b64decode(audio, validate=True)
-    except (binascii.Error, ValueError):
-        raise ProtocolError("invalid_audio", "'audio' is not valid base64", param="audio") from None
-    if len(raw) % 2:
-        raise ProtocolError("invalid_audio", f"'audio' decodes to {len(raw)} bytes: 16-bit PCM has an even "
-                            "number of bytes", param="audio")
-    return raw
+        return g711.to_pcm16(audio, fmt)
+    except ValueError as exc:
+        raise ProtocolError("invalid_audio", str(exc), param="audio") from None
 
 
-def _rate(fmt: Any, where: str) -> int:
+def _format(fmt: Any, where: str) -> tuple[str, int]:
+    """An audio format object: (type, rate). G.711 (audio/pcmu, audio/pcma) is 8 kHz."""
     if not isinstance(fmt, dict):
         raise ProtocolError("invalid_value", f"{where} must be an object such as {{'type': 'audio/pcm', "
-                            "'rate': 24000}", param=where)
-    if fmt.get("type", "audio/pcm") != "audio/pcm":
-        raise ProtocolError("unsupported_format", f"{where}.type={fmt.get('type')!r}: this server speaks "
-                            "audio/pcm (16-bit mono) only", param=f"{where}.type")
+                            "'rate': 24000} or {'type': 'audio/pcmu'}", param=where)
+    kind = fmt.get("type", "audio/pcm")
+    if kind not in g711.FORMATS:
+        raise ProtocolError("unsupported_format", f"{where}.type={kind!r}: this server speaks audio/pcm (16-bit "
+                            "mono), audio/pcmu and audio/pcma (G.711 at 8 kHz)", param=f"{where}.type")
+    if kind != "audio/pcm":
+        if fmt.get("rate", g711.G711_RATE) != g711.G711_RATE:
+            raise ProtocolError("invalid_value", f"{where}.rate={fmt.get('rate')!r}: {kind} is 8000 Hz; leave the "
+                                "rate out", param=f"{where}.rate")
+        return kind, g711.G711_RATE
     rate = fmt.get("rate", 24000)
     if rate not in PCM_RATES:
         raise ProtocolError("invalid_value", f"{where}.rate={rate!r}: use one of {', '.join(map(str, PCM_RATES))}",
                             param=f"{where}.rate")
-    return int(rate)
+    return kind, int(rate)
+
+
+def _format_event(kind: str, rate: int) -> dict[str, Any]:
+    return {"type": kind, "rate": rate} if kind == "audio/pcm" else {"type": kind}
 
 
 @dataclass
@@ -82,6 +88,8 @@ class SessionConfig:
     voice: str = "default"  # the session's TTS voice by name (its tts group's voice until changed)
     input_rate: int = 24000
     output_rate: int = 24000
+    input_format: str = "audio/pcm"  # or audio/pcmu, audio/pcma (G.711: the rate is 8000)
+    output_format: str = "audio/pcm"
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
     turn_detection: dict[str, Any] | None = field(default_factory=lambda: {
         "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
@@ -124,9 +132,9 @@ class SessionConfig:
             raise ProtocolError("invalid_value", "session.audio must be an object", param="session.audio")
         inp, out = audio.get("input") or {}, audio.get("output") or {}
         if "format" in inp:
-            new.input_rate = _rate(inp["format"], "session.audio.input.format")
+            new.input_format, new.input_rate = _format(inp["format"], "session.audio.input.format")
         if "format" in out:
-            new.output_rate = _rate(out["format"], "session.audio.output.format")
+            new.output_format, new.output_rate = _format(out["format"], "session.audio.output.format")
         if "turn_detection" in inp:
             new.turn_detection = _turn_detection(inp["turn_detection"], self.turn_detection or self.server_vad)
             if fit is not None:
@@ -146,14 +154,14 @@ class SessionConfig:
         self.__dict__.update(new.__dict__)
 
     def to_event(self, session_id: str) -> dict[str, Any]:
-        pcm = {"type": "audio/pcm"}
+        formats = _format_event(self.input_format, self.input_rate), _format_event(self.output_format, self.output_rate)
         return {
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
             "output_modalities": self.output_modalities, "instructions": self.instructions,
             "audio": {
-                "input": {"format": {**pcm, "rate": self.input_rate}, "transcription": {"model": "stt"},
+                "input": {"format": formats[0], "transcription": {"model": "stt"},
                           "noise_reduction": None, "turn_detection": self.turn_detection},
-                "output": {"format": {**pcm, "rate": self.output_rate}, "voice": self.voice, "speed": 1.0},
+                "output": {"format": formats[1], "voice": self.voice, "speed": 1.0},
             },
             "tools": self.tools, "tool_choice": self.tool_choice, "max_output_tokens": "inf",
             "tracing": None, "truncation": "auto", "prompt": None, "include": None,
@@ -380,9 +388,10 @@ def output_audio_transcript_done(ids: dict[str, Any], transcript: str) -> dict[s
     return {"type": "response.output_audio_transcript.done", **ids, "transcript": transcript}
 
 
-def output_audio_delta(ids: dict[str, Any], pcm16: bytes) -> dict[str, Any]:
-    """Audio as base64 of 16-bit little-endian PCM at the session's output rate."""
-    return {"type": "response.output_audio.delta", **ids, "delta": base64.b64encode(pcm16).decode("ascii")}
+def output_audio_delta(ids: dict[str, Any], pcm16: bytes, config: SessionConfig) -> dict[str, Any]:
+    """16-bit PCM at the session's output rate, as base64 in its output format (PCM16, or G.711)."""
+    audio = g711.from_pcm16(pcm16, config.output_format)
+    return {"type": "response.output_audio.delta", **ids, "delta": base64.b64encode(audio).decode("ascii")}
 
 
 def output_audio_done(ids: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
 Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same sessions
-over WebRTC: webrtc.py), ``/metrics`` (Prometheus text:
+over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through Twilio Media Streams, translated to a
+Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
 sessions open, turns, voice-to-voice), ``/`` (a browser client). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
@@ -32,6 +33,7 @@ from nodes.io.realtime import protocol as events
 from nodes.io.realtime.client_events import ClientEvents
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
+from nodes.io.realtime.twilio import TwilioCall
 from s2s_flow.node import Context, keep_shared, require
 
 __all__ = ["RealtimeServer"]
@@ -74,6 +76,9 @@ class ServerOptions(Protocol):
     max_frame_bytes: int
     max_queued_bytes: int
     ice_servers: list[dict[str, Any]]
+    twilio_voice: str | None
+    twilio_instructions: str | None
+    twilio_auth_token: str | None
 
     @property
     def serves(self) -> str: ...
@@ -237,8 +242,13 @@ class RealtimeServer:
         async def app(scope: Any, receive: Any, send: Any) -> None:
             # The Realtime socket gets the server's own send(), not a middleware's wrapper: a
             # client that stops reading can only be dropped through its transport (_abort).
-            if scope["type"] == "websocket" and scope.get("path") == "/v1/realtime":
+            path = scope.get("path")
+            if scope["type"] == "websocket" and path == "/v1/realtime":
                 await self._connection(WebSocket(scope, receive, send), send)
+            elif scope["type"] == "websocket" and path == "/v1/twilio":
+                o = self.options
+                await self._connection(TwilioCall(WebSocket(scope, receive, send), voice=o.twilio_voice,
+                                                  instructions=o.twilio_instructions), send)
             else:
                 await site(scope, receive, send)
 
@@ -259,7 +269,10 @@ class RealtimeServer:
         return ok, subprotocol
 
     async def _connection(self, ws: Any, send: Any) -> None:
-        ok, subprotocol = self._authorized(ws)
+        if isinstance(ws, TwilioCall):
+            ok, subprotocol = ws.authorized(self.options.api_key, self.options.twilio_auth_token)
+        else:
+            ok, subprotocol = self._authorized(ws)
         if not ok:
             from starlette.responses import JSONResponse
 

@@ -357,7 +357,7 @@ class Session(SessionHooks):
                 if sentence and (not resp.sentences or resp.sentences[-1][1] != sentence):
                     resp.sentences.append((resp.audio_ms, sentence))
                 data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
-                self.send(events.output_audio_delta(events.part_ids(resp.id, resp.item_id), data))
+                self.send(events.output_audio_delta(events.part_ids(resp.id, resp.item_id), data, self.config))
                 resp.audio_ms += 1000 * len(pcm) / self.config.output_rate
                 if not resp.first_audio:
                     resp.first_audio = True
