@@ -51,7 +51,7 @@ async def client(base: str, prompts: list[tuple[np.ndarray, float]], idle_s: flo
     from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
     from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-    from nodes.io.realtime.webrtc import host_addresses
+    from nodes.io.realtime.ice import host_addresses
 
     class Mic(MediaStreamTrack):
         kind = "audio"

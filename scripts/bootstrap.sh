@@ -22,6 +22,7 @@ dpkg -s libssl-dev >/dev/null 2>&1 || [ -f /usr/include/openssl/ssl.h ] || need_
 command -v openssl >/dev/null || need_apt+=(openssl)
 command -v chromium >/dev/null || need_apt+=(chromium)  # io=realtime's browser page, tested in headless Chromium
 command -v npm >/dev/null || need_apt+=(nodejs npm)  # the Agents SDK tests of io=realtime (tests/node/)
+command -v haproxy >/dev/null || need_apt+=(haproxy)    # the load balancer in front of io=realtime processes (deploy/haproxy.cfg), tested
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     say "apt-get install ${need_apt[*]}"

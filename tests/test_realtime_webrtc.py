@@ -34,7 +34,7 @@ for _module in ("faster_whisper", "piper", "onnxruntime"):
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack  # noqa: E402
 
-from nodes.io.realtime.webrtc import host_addresses  # noqa: E402
+from nodes.io.realtime.ice import host_addresses  # noqa: E402
 from tests.test_realtime import STORY, llama, serving, until  # noqa: E402,F401  (the module's llama-server)
 
 RATE = 48000

@@ -59,6 +59,17 @@ def _ice_servers(servers: Any) -> list[dict[str, Any]]:
                     "credential": server.get("credential")})
     return out
 
+def _strings(key: str, value: Any) -> list[str]:
+    """A list of strings from YAML or the command line (``io.allowed_origins=[https://a.example]``)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    items = list(value)
+    if not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{key}={items!r}: give a list of strings, e.g. {key}=[https://app.example.com]")
+    return items
+
 
 def _session_of(node: Node) -> Session:
     session = node.ctx.session
@@ -96,6 +107,10 @@ class RealtimeSource(Node):
         idle_timeout_s: float = 300.0,
         max_frame_bytes: int = 1 << 20,
         max_queued_bytes: int = 8 << 20,
+        max_events_per_s: float = 200.0,
+        drain_timeout_s: float = 30.0,
+        allowed_origins: Any = (),
+        allowed_hosts: Any = (),
         rate: int = 16000,
         chunk_ms: int = 20,
         webrtc: Mapping[str, Any] | None = None,
@@ -116,6 +131,14 @@ class RealtimeSource(Node):
         if max_queued_bytes < 65536:
             raise ConfigError(f"io.max_queued_bytes={max_queued_bytes} is too small: a client that reads keeps "
                               "several audio events in flight; use at least 65536 (default 8 MiB)")
+        if max_events_per_s < 10:
+            raise ConfigError(f"io.max_events_per_s={max_events_per_s} is too low: a client streaming 20 ms appends "
+                              "sends 50 a second; use at least 10 (default 200)")
+        if drain_timeout_s < 0:
+            raise ConfigError(f"io.drain_timeout_s={drain_timeout_s} must be >= 0 (seconds live sessions may "
+                              "finish after SIGTERM)")
+        self.allowed_origins = _strings("io.allowed_origins", allowed_origins)
+        self.allowed_hosts = _strings("io.allowed_hosts", allowed_hosts)
         if not 5 <= chunk_ms <= 200:
             raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -126,7 +149,8 @@ class RealtimeSource(Node):
                 "127.0.0.1, or io.allow_public=true if that is what you mean")
         self.host, self.port, self.allow_public = host, port, allow_public
         self.max_sessions, self.idle_timeout_s, self.max_frame_bytes = max_sessions, idle_timeout_s, max_frame_bytes
-        self.max_queued_bytes = max_queued_bytes
+        self.max_queued_bytes, self.max_events_per_s = max_queued_bytes, float(max_events_per_s)
+        self.drain_timeout_s = float(drain_timeout_s)
         self.rate, self.chunk_ms = rate, chunk_ms
         self.ice_servers = _ice_servers((webrtc or {}).get("ice_servers"))
         self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions

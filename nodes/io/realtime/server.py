@@ -1,9 +1,11 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
-Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same sessions
-over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through Twilio Media Streams, translated to a
-Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
-sessions open, turns, voice-to-voice), ``/`` (a browser client). Each connection builds a
+Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same
+sessions over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through
+Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
+sessions open, turns, voice-to-voice), ``/`` (a browser client), ``/healthz`` (alive) and ``/readyz``
+(accepting: 503 while draining or full). Every route passes the Origin and Host checks first
+(guard.py); SIGTERM drains (drain.py). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
 it with its own Scheduler on its own threads; models come from the process-wide cache
@@ -31,6 +33,10 @@ from typing import Any, Protocol
 
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.client_events import ClientEvents
+from nodes.io.realtime.drain import Drain, drainable_server
+from nodes.io.realtime.guard import Guard
+from nodes.io.realtime.limits import EventRate
+from nodes.io.realtime.prometheus import ServerMetrics
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
 from nodes.io.realtime.twilio import TwilioCall
@@ -75,6 +81,10 @@ class ServerOptions(Protocol):
     idle_timeout_s: float
     max_frame_bytes: int
     max_queued_bytes: int
+    max_events_per_s: float
+    drain_timeout_s: float
+    allowed_origins: list[str]
+    allowed_hosts: list[str]
     ice_servers: list[dict[str, Any]]
     twilio_voice: str | None
     twilio_instructions: str | None
@@ -82,54 +92,6 @@ class ServerOptions(Protocol):
 
     @property
     def serves(self) -> str: ...
-
-
-class _Metrics:
-    """Prometheus figures of one server (its own registry: several servers in one process)."""
-
-    def __init__(self) -> None:
-        prom = require("prometheus_client", "serve", pip_name="prometheus-client")
-        self.prom = prom
-        self.registry = prom.CollectorRegistry()
-        self.sessions = prom.Gauge("s2s_sessions_open", "Realtime sessions open now", registry=self.registry)
-        self.sessions_total = prom.Counter("s2s_sessions", "Realtime sessions accepted", registry=self.registry)
-        self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
-        self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
-                                    registry=self.registry)
-        self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "
-                                     "llm.fallback_reply, or an error event)", ["stage"], registry=self.registry)
-        self.registry.register(_RestartCollector(prom))
-        self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
-                                  "sent", registry=self.registry,
-                                  buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
-
-    def observe(self, name: str, value: float) -> None:
-        if name == "turn":
-            self.turns.inc()
-        elif name == "voice_to_voice_s":
-            self.v2v.observe(value)
-        elif name == "stage_failed":
-            self.failures.labels(str(value)).inc()
-
-    def text(self) -> bytes:
-        return self.prom.generate_latest(self.registry)
-
-
-class _RestartCollector:
-    """``s2s_model_server_restarts_total{server}``: the restarts of the recipe's model server
-    (s2s_flow/server_watch.py counts them for the whole process)."""
-
-    def __init__(self, prom: Any) -> None:
-        self._family = prom.metrics_core.CounterMetricFamily
-
-    def collect(self) -> Any:
-        from s2s_flow.server_watch import restarts
-
-        family = self._family("s2s_model_server_restarts", "Restarts of a managed model server (it exited "
-                              "or stopped answering)", labels=["server"])
-        for server, count in restarts().items():
-            family.add_metric([server], count)
-        yield family
 
 
 class RealtimeServer:
@@ -143,7 +105,7 @@ class RealtimeServer:
         require("websockets", "serve")
         self.make_graph, self.options, self.run_dir = make_graph, options, Path(run_dir)
         self.console = console
-        self.metrics = _Metrics()
+        self.metrics = ServerMetrics()
         self.open = 0
         self.sessions_run = 0
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
@@ -151,6 +113,9 @@ class RealtimeServer:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._keep: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.guard = Guard(options.host, options.allowed_origins, options.allowed_hosts)
+        self.drain = Drain(options.drain_timeout_s)
         self.app = self._app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -161,7 +126,7 @@ class RealtimeServer:
         o = self.options
         config = uvicorn.Config(self.app, host=o.host, port=o.port, ws="websockets-sansio", lifespan="off",
                                 log_level="warning", ws_max_size=4 * o.max_frame_bytes, ws_ping_interval=None)
-        return uvicorn.Server(config)
+        return drainable_server(config, self.drain)
 
     def preload(self) -> None:
         """Load every shared resource once now (and keep it), so the first caller waits for nothing."""
@@ -206,6 +171,12 @@ class RealtimeServer:
         host, port = self._sock.getsockname()[:2]
         return f"ws://{host}:{port}/v1"
 
+    def begin_drain(self) -> None:
+        """What SIGTERM does (drain.py), for a server of ``start()`` (tests)."""
+        if self._loop is None:
+            raise RuntimeError("the server has served no request yet: nothing to drain on")
+        self.drain.begin(self._loop, lambda: setattr(self._server, "should_exit", True))
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
@@ -237,9 +208,13 @@ class RealtimeServer:
 
         site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
                                  Route("/v1/realtime/calls", calls.create, methods=["POST"]),
-                                 Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"])])
+                                 Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"]),
+                                 *self.drain.routes(lambda: self.open, self.options.max_sessions)])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
+            self._loop = asyncio.get_running_loop()
+            if await self.guard.refused(scope, receive, send):
+                return
             # The Realtime socket gets the server's own send(), not a middleware's wrapper: a
             # client that stops reading can only be dropped through its transport (_abort).
             path = scope.get("path")
@@ -284,6 +259,8 @@ class RealtimeServer:
                 await ws.close(code=1008)
             return
         await ws.accept(subprotocol=subprotocol)
+        if await self.drain.turned_away(ws):
+            return
         if self.open >= self.options.max_sessions:
             await ws.send_text(events.encode(events.error(
                 "session_limit_reached", f"the server holds {self.options.max_sessions} sessions "
@@ -291,22 +268,25 @@ class RealtimeServer:
             await ws.close(code=1008, reason="session_limit_reached")
             return
         connection = _Connection(self, ws, send)
-        self.admit(connection.session)
+        self.admit(connection)
         try:
             await connection.serve()
         finally:
-            self.release(connection.session)
+            self.release(connection)
 
-    def admit(self, session: Session) -> None:
-        """A session begins (a WebSocket's, or a WebRTC call's): counted, and open until released."""
+    def admit(self, connection: Any) -> None:
+        """A session begins (a WebSocket's, or a WebRTC call's): counted, drained on SIGTERM, and open
+        until released."""
         self.open += 1
         self.sessions_run += 1
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
-        self.sessions[session.id] = session
+        self.sessions[connection.session.id] = connection.session
+        self.drain.add(connection)
 
-    def release(self, session: Session) -> None:
-        if self.sessions.pop(session.id, None) is not None:
+    def release(self, connection: Any) -> None:
+        self.drain.remove(connection)
+        if self.sessions.pop(connection.session.id, None) is not None:
             self.open -= 1
             self.metrics.sessions.dec()
 
@@ -321,9 +301,17 @@ class _Connection:
         self.out: asyncio.Queue[str | None] = asyncio.Queue()
         self.queued = 0  # bytes in self.out
         self.overflow = asyncio.Event()  # the client stopped reading: the session ends
+        self.ended: tuple[int, str, str] | None = None  # the server closes the session: (close code, error, why)
+        self.ending = asyncio.Event()
+        self.rate = EventRate(server.options.max_events_per_s)
         self.session = Session(self._emit, SessionConfig(), observe=server.metrics.observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
+
+    def shut(self, message: str, code: int = 1001, error: str = "server_shutting_down") -> None:
+        """The server closes this session (on its loop): it is told with an error event, then closed."""
+        self.ended = (code, error, message)
+        self.ending.set()
 
     def _emit(self, text: str) -> None:
         """Session.send, from any thread: onto the loop, into the bounded queue."""
@@ -379,12 +367,16 @@ class _Connection:
                     session.fail_unfinished(f"the session's graph failed: {error}")
                     session.send(events.error("server_error", f"the session's graph failed: {error}",
                                               type="server_error"))
+                elif self.ended is not None:  # counted as s2s_sessions_dropped_total{reason=rate_limited|...}
+                    self.server.metrics.dropped.labels(self.ended[1]).inc()
+                    session.fail_unfinished(self.ended[2])
+                    session.send(events.error(self.ended[1], self.ended[2], type="server_error"))
                 session.closed = True
                 # the end marker queues behind the events already on their way (Session.send goes
                 # through the loop): the failed response and the error reach the client first
                 self.loop.call_soon(self.out.put_nowait, None)
                 await sender
-                await self._close()
+                await self._close(self.ended[0] if self.ended is not None else 1000)
 
     def _run_graph(self, scheduler: Any, graph: Any, run_dir: Path) -> None:
         from s2s_flow import metrics
@@ -423,9 +415,9 @@ class _Connection:
                 return
             self.queued -= len(text)
 
-    async def _close(self) -> None:
+    async def _close(self, code: int = 1000) -> None:
         with contextlib.suppress(Exception):
-            await self.ws.close()
+            await self.ws.close(code=code)
 
     async def _drop(self, code: int, reason: str, error: dict[str, Any]) -> None:
         """Close a client that does not read: it gets the error event and the close frame if it reads
@@ -449,17 +441,22 @@ class _Connection:
         idle = self.server.options.idle_timeout_s
         recv: asyncio.Task | None = None
         overflow = asyncio.ensure_future(self.overflow.wait())
+        ending = asyncio.ensure_future(self.ending.wait())
         try:
             while True:
                 if recv is None:
+                    closing = await self.rate.wait(self.session.send)
+                    if closing is not None:
+                        self.shut(closing, 1008, "rate_limited")
+                        return
                     recv = asyncio.ensure_future(self.ws.receive())
-                finished, _ = await asyncio.wait({recv, self.done, overflow}, timeout=idle,
+                finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=idle,
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
                     self.session.send(events.error("idle_timeout", f"no client event for {idle:g} s "
                                                    "(io.idle_timeout_s): the session ends", type="server_error"))
                     return
-                if recv not in finished:  # the graph ended (failed), or the client stopped reading
+                if recv not in finished:  # the graph ended (failed), the client stopped reading, the drain is over
                     return
                 message, recv = recv.result(), None
                 if message["type"] == "websocket.disconnect":
@@ -467,6 +464,7 @@ class _Connection:
                 self.handlers.receive(message.get("text"))
         finally:
             overflow.cancel()
+            ending.cancel()
             if recv is not None:
                 recv.cancel()
 

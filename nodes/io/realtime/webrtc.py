@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import hmac
 import ipaddress
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from nodes.io.realtime import protocol as events
+from nodes.io.realtime.ice import addresses_for, host_addresses, ice_servers, loopback_only
 from nodes.io.realtime.protocol import ProtocolError, new_id
 from nodes.io.realtime.speaker import OPUS_RATE, Speaker
 from s2s_flow.audio import StreamResampler, to_float32
@@ -51,71 +50,6 @@ CONNECT_TIMEOUT_S = 30.0  # a call whose data channel is not open by then is hun
 CHANNEL_HIGH_BYTES = 1 << 20  # the data channel's send buffer: above it, the sender waits
 EVENTS_CHANNEL = "oai-events"
 MAX_OFFER_BYTES = 1 << 16  # a browser's offer is a few kB
-_LOOPBACK_HOSTS = {"127.0.0.1": ["127.0.0.1"], "localhost": ["127.0.0.1"], "::1": ["::1"]}
-_ALL = ("0.0.0.0", "::", "")
-
-_addresses: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("s2s_ice_addresses", default=None)
-
-
-def _hook_host_addresses() -> None:
-    """aioice gathers host candidates on every interface but loopback, with no option to choose:
-    its one function that lists them answers from ``host_addresses()`` where one is in force."""
-    import aioice.ice as ice
-
-    if getattr(ice.get_host_addresses, "s2s_hook", False):
-        return
-    original = ice.get_host_addresses
-
-    def get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
-        chosen = _addresses.get()
-        return list(chosen) if chosen is not None else original(use_ipv4, use_ipv6)
-
-    get_host_addresses.s2s_hook = True  # type: ignore[attr-defined]
-    ice.get_host_addresses = get_host_addresses
-
-
-@contextlib.contextmanager
-def host_addresses(addresses: list[str] | None) -> Iterator[None]:
-    """Gather ICE host candidates on ``addresses`` (None: aioice's own choice) for the peer
-    connections whose ``setLocalDescription`` runs inside (a client's too: the tests' loopback)."""
-    _hook_host_addresses()
-    token = _addresses.set(addresses)
-    try:
-        yield
-    finally:
-        _addresses.reset(token)
-
-
-def _addresses_for(host: str) -> list[str] | None:
-    """The host candidates' addresses for a server bound to ``host`` (None: every interface's)."""
-    if host in _LOOPBACK_HOSTS:
-        return _LOOPBACK_HOSTS[host]
-    try:
-        return [str(ipaddress.ip_address(host))] if host not in _ALL else None
-    except ValueError:  # a host name: every interface
-        return None
-
-
-def _loopback_only(sdp: str) -> str:
-    """The offer without its candidates off loopback (and its mDNS names): a loopback server tries
-    no other address."""
-    def keep(line: str) -> bool:
-        if not line.startswith("a=candidate:"):
-            return True
-        fields = line.split()
-        try:
-            return len(fields) > 4 and ipaddress.ip_address(fields[4]).is_loopback
-        except ValueError:
-            return False
-    return "\r\n".join(line for line in sdp.splitlines() if keep(line)) + "\r\n"
-
-
-def _ice_servers(servers: list[dict[str, Any]]) -> list[Any]:
-    from aiortc import RTCIceServer
-
-    return [RTCIceServer(urls=s["urls"], username=s.get("username"), credential=s.get("credential"))
-            for s in servers]
-
 
 _WATCHED = ("response.output_audio.delta", "response.output_audio.done", "response.done", "response.created",
             "input_audio_buffer.speech_started")
@@ -178,6 +112,9 @@ class _Call:
     server: Any
     done: Any
     overflow: Any
+    ending: Any
+    rate: Any
+    shut: Any
 
     def __init__(self, server: Any, pc: Any) -> None:
         self.id = new_id("rtc")
@@ -322,12 +259,17 @@ class _Call:
         begun = time.monotonic()
         recv: asyncio.Task | None = None
         overflow = asyncio.ensure_future(self.overflow.wait())
+        ending = asyncio.ensure_future(self.ending.wait())
         try:
             while True:
                 if recv is None:
+                    closing = await self.rate.wait(self.session.send)
+                    if closing is not None:
+                        self.shut(closing, 1008, "rate_limited")
+                        return
                     recv = asyncio.ensure_future(self.channel.receive())
                 wait = max(0.05, min(idle - (time.monotonic() - self.heard_at), CONNECT_TIMEOUT_S))
-                finished, _ = await asyncio.wait({recv, self.done, overflow}, timeout=wait,
+                finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=wait,
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
                     if not self.channel.opened.is_set() and time.monotonic() - begun >= CONNECT_TIMEOUT_S:
@@ -348,6 +290,7 @@ class _Call:
                 self.handlers.receive(message.get("text"))
         finally:
             overflow.cancel()
+            ending.cancel()
             if recv is not None:
                 recv.cancel()
 
@@ -357,7 +300,7 @@ class _Call:
             await asyncio.wait_for(self.channel.send_text(events.encode(error)), 1.0)
         await self._close()
 
-    async def _close(self) -> None:
+    async def _close(self, code: int = 1000) -> None:
         with contextlib.suppress(Exception):
             await self.channel.close()
 
@@ -415,6 +358,9 @@ class WebRTCCalls:
                                  f"(got {kind or 'none'!r}): POST the browser's offer.sdp as the body (or "
                                  "multipart/form-data with the fields sdp and session, as the openai SDK does)")
         server = self.server
+        if getattr(server, "drain", None) is not None and server.drain.draining:
+            return self._refused(503, "server_shutting_down", "the server is draining (SIGTERM): call another "
+                                 "one, or again once it is back", "server_error")
         if server.open >= server.options.max_sessions:
             return self._refused(503, "session_limit_reached", f"the server holds {server.options.max_sessions} "
                                  "sessions (io.max_sessions); try again later", "server_error")
@@ -439,12 +385,12 @@ class WebRTCCalls:
                                  "and createOffer()")
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-        addresses = _addresses_for(server.options.host)
+        addresses = addresses_for(server.options.host)
         if addresses is not None and all(ipaddress.ip_address(a).is_loopback for a in addresses):
-            offer = _loopback_only(offer)
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=_ice_servers(self.ice_servers)))
+            offer = loopback_only(offer)
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(self.ice_servers)))
         call = self.call_type(server, pc)
-        server.admit(call.session)
+        server.admit(call)
         try:
             with host_addresses(addresses):
                 await pc.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
@@ -454,7 +400,7 @@ class WebRTCCalls:
                 pc.addTrack(call.speaker.track)
                 await pc.setLocalDescription(await pc.createAnswer())
         except Exception as exc:
-            server.release(call.session)
+            server.release(call)
             await pc.close()
             return self._refused(400, "invalid_offer", f"the SDP offer could not be answered: {exc}")
         self.calls[call.id] = call
@@ -478,7 +424,7 @@ class WebRTCCalls:
             log.error("session %s: the call failed: %s", call.session.id, exc)
         finally:
             self.calls.pop(call.id, None)
-            self.server.release(call.session)
+            self.server.release(call)
             with contextlib.suppress(Exception):
                 await call.pc.close()
 

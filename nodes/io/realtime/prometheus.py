@@ -1,0 +1,58 @@
+"""The realtime server's Prometheus figures (``/metrics``): sessions, turns, voice-to-voice, the
+sessions it closed and why, the stages that failed, the managed model server's restarts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from s2s_flow.node import require
+
+__all__ = ["ServerMetrics"]
+
+
+class ServerMetrics:
+    """Prometheus figures of one server (its own registry: several servers in one process)."""
+
+    def __init__(self) -> None:
+        prom = require("prometheus_client", "serve", pip_name="prometheus-client")
+        self.prom = prom
+        self.registry = prom.CollectorRegistry()
+        self.sessions = prom.Gauge("s2s_sessions_open", "Realtime sessions open now", registry=self.registry)
+        self.sessions_total = prom.Counter("s2s_sessions", "Realtime sessions accepted", registry=self.registry)
+        self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
+        self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
+                                    registry=self.registry)
+        self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "
+                                     "llm.fallback_reply, or an error event)", ["stage"], registry=self.registry)
+        self.registry.register(_RestartCollector(prom))
+        self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
+                                  "sent", registry=self.registry,
+                                  buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
+
+    def observe(self, name: str, value: float) -> None:
+        if name == "turn":
+            self.turns.inc()
+        elif name == "voice_to_voice_s":
+            self.v2v.observe(value)
+        elif name == "stage_failed":
+            self.failures.labels(str(value)).inc()
+
+    def text(self) -> bytes:
+        return self.prom.generate_latest(self.registry)
+
+
+class _RestartCollector:
+    """``s2s_model_server_restarts_total{server}``: the restarts of the recipe's model server
+    (s2s_flow/server_watch.py counts them for the whole process)."""
+
+    def __init__(self, prom: Any) -> None:
+        self._family = prom.metrics_core.CounterMetricFamily
+
+    def collect(self) -> Any:
+        from s2s_flow.server_watch import restarts
+
+        family = self._family("s2s_model_server_restarts", "Restarts of a managed model server (it exited "
+                              "or stopped answering)", labels=["server"])
+        for server, count in restarts().items():
+            family.add_metric([server], count)
+        yield family

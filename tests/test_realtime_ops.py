@@ -1,0 +1,275 @@
+"""io=realtime in operation: who may connect (Origin, Host), health and readiness, draining, and the
+abuse a public server meets (a client that floods events, sends a 10 MB frame, a reconnect storm),
+against the real offline stack. The signals themselves (SIGTERM to a real ``s2s-run``) are in
+test_realtime_drain.py; the idle client and the one that stops reading in test_realtime(_turns).py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from nodes.io.realtime.guard import Guard
+from tests.test_realtime import (
+    _next,
+    appends,
+    llama,  # noqa: F401  (the module's llama-server fixture)
+    serving,
+    spoken,
+    until,
+)
+
+websockets = pytest.importorskip("websockets")
+
+QUESTION = "What is the capital of France?"
+
+
+def _raw(url: str, *, host: str | None = None, **kwargs: Any):
+    """A raw client; ``host``: reach the server's address under that name (what DNS rebinding does)."""
+    from websockets.sync.client import connect
+
+    if host is None:
+        return connect(f"{url}/realtime", open_timeout=30, **kwargs)
+    sock = socket.create_connection(("127.0.0.1", _port(url)))
+    return connect(f"ws://{host}:{_port(url)}/v1/realtime", sock=sock, open_timeout=30, **kwargs)
+
+
+def _http(url: str, path: str, **headers: str) -> tuple[int, dict]:
+    base = url.replace("ws://", "http://").removesuffix("/v1")
+    request = urllib.request.Request(base + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read() or b"{}")
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read() or b"{}")
+
+
+def _speak(ws: Any, text: str) -> None:
+    for chunk in appends(spoken(text)):
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+
+
+def _closed_code(ws: Any) -> int | None:
+    with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+        while True:
+            ws.recv(timeout=60)
+    return closed.value.rcvd.code if closed.value.rcvd is not None else None
+
+
+def _port(url: str) -> int:
+    return int(url.removeprefix("ws://").split("/")[0].rsplit(":", 1)[1])
+
+
+# -- Origin and Host ------------------------------------------------------------------------------
+
+
+def _scope(host: str | None = "127.0.0.1:8765", origin: str | None = None) -> dict:
+    headers = [(b"host", host.encode())] if host is not None else []
+    if origin is not None:
+        headers.append((b"origin", origin.encode()))
+    return {"type": "websocket", "path": "/v1/realtime", "headers": headers}
+
+
+@pytest.mark.parametrize(("origin", "allowed"), [
+    (None, True),                              # an SDK, a phone gateway: the key decides
+    ("http://127.0.0.1:8765", True),           # the server's own page
+    ("http://localhost:3000", True),           # a page of a local dev server
+    ("http://[::1]:5173", True),
+    ("https://evil.example", False),
+    ("http://127.0.0.1.evil.example", False),  # looks loopback, is not
+    ("null", False),                           # a file, a sandboxed frame
+])
+def test_browsers_are_served_from_the_own_page_and_loopback_origins_only(origin, allowed):
+    refusal = Guard("127.0.0.1").refusal(_scope(origin=origin))
+    assert (refusal is None) is allowed, refusal
+    if not allowed:
+        assert refusal.code == "origin_not_allowed" and "io.allowed_origins" in refusal.message
+
+
+def test_allowed_origins_add_sites_and_the_own_page_follows_the_name_it_was_reached_by():
+    guard = Guard("0.0.0.0", allowed_origins=["https://app.example.com/"])
+    assert guard.refusal(_scope("voice.example.com", "https://app.example.com")) is None
+    assert guard.refusal(_scope("voice.example.com", "https://voice.example.com")) is None, "its own page"
+    assert guard.refusal(_scope("voice.example.com", "https://other.example.com")) is not None
+    assert Guard("0.0.0.0", allowed_origins=["*"]).refusal(_scope("a", "https://any.example")) is None
+
+
+@pytest.mark.parametrize(("host", "allowed"), [
+    ("127.0.0.1:8765", True), ("localhost:8765", True), ("[::1]:8765", True), ("app.localhost", True),
+    (None, True),                   # HTTP/1.0 health checks send none
+    ("evil.example:8765", False),   # DNS rebinding: a page of evil.example resolved to 127.0.0.1
+    ("10.0.0.5:8765", False),
+])
+def test_a_loopback_bind_refuses_hosts_that_are_not_loopback(host, allowed):
+    refusal = Guard("127.0.0.1").refusal(_scope(host))
+    assert (refusal is None) is allowed, refusal
+    if not allowed:
+        assert refusal.code == "host_not_allowed" and "io.allowed_hosts" in refusal.message
+    assert Guard("0.0.0.0").refusal(_scope(host)) is None, "a public bind is reached by any name (the key decides)"
+
+
+def test_allowed_hosts_admit_a_balancers_name():
+    guard = Guard("127.0.0.1", allowed_hosts=["voice.example.com"])
+    assert guard.refusal(_scope("voice.example.com:443")) is None
+    assert guard.refusal(_scope("evil.example")) is not None
+
+
+def test_every_route_refuses_a_foreign_origin_or_a_rebound_host(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.allowed_origins=[https://app.example.com]") as (url, server):
+        port = _port(url)
+        for headers, code in (({"Origin": "http://evil.example"}, "origin_not_allowed"),
+                              ({"Host": f"evil.example:{port}"}, "host_not_allowed")):
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                if "Host" in headers:
+                    _raw(url, host="evil.example")
+                else:
+                    _raw(url, additional_headers=headers)
+            assert refused.value.response.status_code == 403
+            assert json.loads(refused.value.response.body)["error"]["code"] == code
+            for path in ("/metrics", "/", "/v1/realtime/calls", "/v1/twilio"):  # routes of other helpers too
+                status, body = _http(url, path, **headers)
+                assert status == 403 and body["error"]["code"] == code, path
+        assert server.open == 0 and server.sessions_run == 0, "no session was opened for a refused browser"
+        for headers in ({}, {"Origin": f"http://127.0.0.1:{port}"}, {"Origin": "http://localhost:3000"},
+                        {"Origin": "https://app.example.com"}):
+            with _raw(url, additional_headers=headers) as ws:
+                assert _next(ws)["type"] == "session.created", headers
+
+
+def test_a_foreign_origin_is_refused_even_with_the_key(llama, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("S2S_REALTIME_API_KEY", raising=False)
+    with serving(llama, tmp_path, "io.api_key=sesame") as (url, _):
+        key = {"Authorization": "Bearer sesame"}
+        with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+            _raw(url, additional_headers={**key, "Origin": "https://evil.example"})
+        assert refused.value.response.status_code == 403 and b"sesame" not in refused.value.response.body
+        with _raw(url, additional_headers=key) as ws:
+            assert _next(ws)["type"] == "session.created"
+
+
+# -- health, readiness, drain ---------------------------------------------------------------------
+
+
+def test_readiness_says_full_and_draining_while_health_stays_alive(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.max_sessions=1") as (url, server):
+        assert _http(url, "/healthz") == (200, {"status": "alive", "sessions": 0})
+        assert _http(url, "/readyz")[0] == 200
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            assert _http(url, "/readyz") == (503, {"status": "full", "sessions": 1})
+        until(lambda: server.open == 0, what="the session to end")
+        assert _http(url, "/readyz")[0] == 200
+
+
+def test_a_drain_lets_a_live_reply_finish_and_turns_new_sessions_away_with_1013(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.drain_timeout_s=120") as (url, server):
+        with _raw(url) as live:
+            _next(live, "session.created")
+            _speak(live, QUESTION)
+            _next(live, "response.created")
+            server.begin_drain()
+            until(lambda: server.drain.draining, what="the drain to begin")
+            assert _http(url, "/readyz") == (503, {"status": "draining", "sessions": 1})
+            assert _http(url, "/healthz")[0] == 200
+            with _raw(url) as late:
+                assert _next(late)["error"]["code"] == "server_draining"
+                assert _closed_code(late) == 1013
+            done = _next(live, "response.done")
+            assert done["response"]["status"] == "completed", "the live reply finished"
+        server._thread.join(60)
+        assert not server._thread.is_alive(), "the server stopped once its last session left"
+
+
+def test_a_session_still_live_when_the_drain_time_is_over_is_told_and_closed(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.drain_timeout_s=0") as (url, server):
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            server.begin_drain()
+            error = _next(ws, "error")["error"]
+            assert error["code"] == "server_shutting_down" and "io.drain_timeout_s" in error["message"]
+            assert _closed_code(ws) == 1001
+        server._thread.join(60)
+        assert not server._thread.is_alive()
+
+
+# -- abuse ----------------------------------------------------------------------------------------
+
+
+def test_a_client_flooding_small_events_is_told_and_slowed_and_its_session_goes_on(llama, tmp_path):  # noqa: F811
+    tiny = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="})
+    with serving(llama, tmp_path, "io.max_events_per_s=20") as (url, server):  # 40 at once, then 20 a second
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            for _ in range(100):  # benchmarks/bench_abuse.py sends 1,000 a second
+                ws.send(tiny)
+            ws.send(json.dumps({"type": "no.such.event", "event_id": "evt_last"}))
+            error = _next(ws, "error")["error"]
+            assert error["code"] == "rate_limited" and "io.max_events_per_s=20" in error["message"]
+            last = _next(ws, "error")["error"]
+            assert last["event_id"] == "evt_last", "every event was read, in order: the session went on"
+        until(lambda: server.open == 0, what="the session to end")
+
+
+def test_a_client_that_keeps_flooding_is_closed_with_1008(llama, tmp_path, monkeypatch):  # noqa: F811
+    from nodes.io.realtime import limits
+
+    monkeypatch.setattr(limits, "GRACE_S", 1.0)  # 10 s as shipped
+    tiny = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="})
+    with serving(llama, tmp_path, "io.max_events_per_s=20") as (url, server):
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            for _ in range(200):  # 40 at once, then 20 a second: over the rate for longer than the grace
+                ws.send(tiny)
+            kinds = []
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                while True:
+                    event = json.loads(ws.recv(timeout=60))
+                    kinds.append(event["error"]["code"] if event["type"] == "error" else event["type"])
+            assert kinds == ["rate_limited", "rate_limited"], "told as it went over, and as it was closed"
+            assert closed.value.rcvd.code == 1008
+        until(lambda: server.open == 0, what="the session to end")
+        dropped = server.metrics.registry.get_sample_value("s2s_sessions_dropped_total", {"reason": "rate_limited"})
+        assert dropped == 1
+
+
+def test_a_10_mb_frame_closes_its_connection_with_1009_and_the_others_go_on(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path) as (url, server), _raw(url) as other:
+        _next(other, "session.created")
+        with _raw(url, max_size=None) as big:
+            _next(big, "session.created")
+            big.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (10 << 20)}))
+            assert _closed_code(big) == 1009, "message too big"
+        until(lambda: server.open == 1, what="the flooded session to end")
+        _speak(other, QUESTION)
+        assert _next(other, "response.done")["response"]["status"] == "completed"
+
+
+def test_a_reconnect_storm_gets_sessions_or_clean_refusals_and_leaves_nothing_behind(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.max_sessions=8") as (url, server):
+        with _raw(url) as warm:  # the first session's threads and pools, before counting
+            _next(warm, "session.created")
+        until(lambda: server.open == 0, what="the first session to end")
+        before = {t.ident for t in threading.enumerate()}
+
+        def connect(_: int) -> str:
+            with _raw(url) as ws:
+                first = _next(ws)
+                return first["type"] if first["type"] != "error" else first["error"]["code"]
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(connect, range(200)))
+        assert set(answers) <= {"session.created", "session_limit_reached"}, set(answers)
+        assert answers.count("session.created") >= 8
+        until(lambda: server.open == 0 and not server.sessions, what="every session to end")
+
+        def new_threads() -> list[str]:
+            return [t.name for t in threading.enumerate() if t.ident not in before]
+
+        until(lambda: not new_threads(), what=lambda: f"the storm's threads to end: {new_threads()}")
