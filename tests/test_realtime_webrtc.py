@@ -303,6 +303,9 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
         pc2, sdp2 = await offer()
         out["full"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp2, key)
         out["open"] = server.open
+        server.drain.draining = True  # SIGTERM (test_realtime_drain.py sends a real one to a server process)
+        out["draining"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp2, key)
+        server.drain.draining = False
         out["unknown"] = await asyncio.to_thread(delete, base + "/v1/realtime/calls/rtc_nope", key)
         out["unknown_nokey"] = await asyncio.to_thread(delete, base + "/v1/realtime/calls/rtc_nope")
         await pc.close()
@@ -320,6 +323,7 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
     status, body, _ = got["full"]
     assert status == 503 and json.loads(body)["error"]["code"] == "session_limit_reached"
     assert got["open"] == 1
+    assert got["draining"][0] == 503 and json.loads(got["draining"][1])["error"]["code"] == "server_draining"
     assert (got["unknown"], got["unknown_nokey"]) == (404, 401)
 
 

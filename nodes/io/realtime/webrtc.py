@@ -359,7 +359,7 @@ class WebRTCCalls:
                                  "multipart/form-data with the fields sdp and session, as the openai SDK does)")
         server = self.server
         if getattr(server, "drain", None) is not None and server.drain.draining:
-            return self._refused(503, "server_shutting_down", "the server is draining (SIGTERM): call another "
+            return self._refused(503, "server_draining", "the server is draining (SIGTERM): call another "
                                  "one, or again once it is back", "server_error")
         if server.open >= server.options.max_sessions:
             return self._refused(503, "session_limit_reached", f"the server holds {server.options.max_sessions} "
