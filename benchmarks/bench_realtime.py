@@ -3,6 +3,8 @@
 Run: python benchmarks/bench_realtime.py [--repeat 1] [--sessions 1 2 4] [--skip-wav] [--prompts N] [--one-session]
                                           [override ...]
      (default stack: recipe=local_cpu, its llama-server started here)
+     python benchmarks/bench_realtime.py --conversations 1 2 4 8 [--server-tree OLD_TREE NEW_TREE] [--turns 4]
+     (conversations paced like people, before/after side by side: see benchmarks/_conversations.py)
 
 1. io=wav: ``s2s-run recipe=local_cpu bench=latency bench.repeat=N``: the engine's voice-to-voice
    (first reply audio at the sink - the VAD's estimate of the end of speech), p50/p95 over the
@@ -255,6 +257,11 @@ def wav_side(repeat: int, overrides: list[str], out: Path, entries: list[dict[st
 
 
 def main() -> None:
+    if "--conversations" in sys.argv[1:]:
+        from benchmarks._conversations import main as conversations
+
+        conversations(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4])

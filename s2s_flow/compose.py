@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from s2s_flow.errors import ConfigError
 
 __all__ = ["conf_dir", "compose", "config_error", "given_search_path", "package_gguf", "search_path",
-           "with_search_path"]
+           "sessions_at_once", "with_search_path"]
 
 
 def package_gguf(package: str) -> str:
@@ -49,6 +49,31 @@ def _when(condition: object, value: object) -> object:
 # null; e.g. the gate's _target_, so the node joins the chain only when speculation is on.
 if not OmegaConf.has_resolver("s2s.when"):
     OmegaConf.register_new_resolver("s2s.when", _when)
+
+
+def sessions_at_once(root: DictConfig) -> int:
+    """How many sessions one run serves at once: ``io.max_sessions`` (io=realtime), else 1 (io=wav
+    runs its files one after another, io=mic is one conversation)."""
+    value = OmegaConf.select(root, "io.max_sessions", default=None)
+    return int(value) if value is not None else 1
+
+
+def _llama_slots(extra: int = 0, *, _root_: DictConfig) -> int:
+    return sessions_at_once(_root_) + int(extra)
+
+
+def _llama_ctx(per_slot: int, extra: int = 0, *, _root_: DictConfig) -> int:
+    return int(per_slot) * _llama_slots(extra, _root_=_root_)
+
+
+# ${s2s.llama_slots:EXTRA}: llama-server's -np for this run, one slot per session served at once
+# (sessions_at_once) plus EXTRA (e.g. 1 for the text turn scorer's requests); ${s2s.llama_ctx:
+# PER_SLOT,EXTRA}: its -c, the total context, so that each of those slots keeps PER_SLOT tokens.
+# Resolved into server.command, so the command printed is the command run.
+if not OmegaConf.has_resolver("s2s.llama_slots"):
+    OmegaConf.register_new_resolver("s2s.llama_slots", _llama_slots)
+if not OmegaConf.has_resolver("s2s.llama_ctx"):
+    OmegaConf.register_new_resolver("s2s.llama_ctx", _llama_ctx)
 
 
 def conf_dir() -> Path:

@@ -43,7 +43,10 @@ STORY = "Tell me a long story about a dragon who learns to cook."
 
 
 def _compose(base_url: str | None, *extra: str):
-    args = ["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=32", *extra]
+    # admitted by count only: these sessions test the protocol on a machine others load too (admission
+    # by load: tests/test_realtime_admission.py)
+    args = ["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=32", "io.target_ms=null",
+            *extra]
     if base_url:
         args.append(f"llm.base_url={base_url}")
     return compose(args)

@@ -67,7 +67,7 @@ def test_llamacpp_gemma4_talks_responses_to_llama_server_on_8080():
     spec = ServerSpec.from_config(cfg.server)
     argv = spec.argv(lambda: "llama-server")
     assert argv[:3] == ["llama-server", "-hf", "ggml-org/gemma-4-E4B-it-GGUF"]
-    for flags in (["-np", "2"], ["-c", "65536"], ["-fa", "on"], ["--port", "8080"]):
+    for flags in (["-np", "2"], ["-c", "65536"], ["-fa", "on"], ["--port", "8080"]):  # one session + the scorer
         assert " ".join(flags) in " ".join(argv)
     assert "--swa-full" in argv and spec.ready_url == "http://127.0.0.1:8080/v1/models"
 
@@ -103,6 +103,22 @@ def test_moving_the_llm_port_moves_the_server_with_it():
     cfg, _ = _composed("local_cpu", "llm.base_url=http://127.0.0.1:9123/v1")
     argv = ServerSpec.from_config(cfg.server).argv(lambda: "llama-server")
     assert argv[argv.index("--port") + 1] == "9123"
+
+
+def _flag(argv: list[str], flag: str) -> int:
+    return int(argv[argv.index(flag) + 1])
+
+
+@pytest.mark.parametrize(("name", "per_slot", "extra"), [("local_cpu", 2048, 1), ("llamacpp_gemma4", 32768, 1),
+                                                         ("llamacpp_audio", 8192, 0)])
+def test_llama_server_recipes_give_each_realtime_session_a_slot_of_the_same_context(name, per_slot, extra):
+    """io=realtime: -np io.max_sessions (+1 for the text turn scorer where there is STT), -c the
+    slots' total so that each keeps the context it has in a one-session run."""
+    for overrides, sessions in (([], 1), (["io=realtime"], 8), (["io=realtime", "io.max_sessions=3"], 3)):
+        cfg, _ = _composed(name, *overrides)
+        argv = ServerSpec.from_config(cfg.server).argv(lambda: "llama-server")
+        assert _flag(argv, "-np") == sessions + extra, (overrides, argv)
+        assert _flag(argv, "-c") == per_slot * (sessions + extra), (overrides, argv)
 
 
 def test_command_line_choices_beat_the_recipe_and_server_null_turns_it_off():

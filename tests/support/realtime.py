@@ -29,7 +29,8 @@ def serving(base_url: str, tmp_path: Path, *extra: str) -> Iterator[tuple[str, A
     """(ws://host:port/v1, the RealtimeServer), on a free port, stopped afterwards."""
     from nodes.io.realtime.server import RealtimeServer
 
-    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0",
+    # admitted by count only, as tests/test_realtime.py's (admission by load: test_realtime_admission.py)
+    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "io.target_ms=null",
                             f"llm.base_url={base_url}", *extra])
     server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
     url = server.start()

@@ -114,11 +114,17 @@ class RealtimeSource(Node):
         rate: int = 16000,
         chunk_ms: int = 20,
         webrtc: Mapping[str, Any] | None = None,
+        target_ms: float | None = 1000.0,
+        admission: str = "refuse",
+        admission_wait_s: float = 10.0,
         twilio_voice: str | None = None,
         twilio_instructions: str | None = None,
         twilio_auth_token: str | None = None,
     ) -> None:
         _check_rate(rate)
+        from nodes.io.realtime.admission import check
+
+        check(admission, target_ms, admission_wait_s)
         if not 0 <= port <= 65535:
             raise ConfigError(f"io.port={port} is not a TCP port (0-65535; 0 picks a free one)")
         if max_sessions < 1:
@@ -153,6 +159,7 @@ class RealtimeSource(Node):
         self.drain_timeout_s = float(drain_timeout_s)
         self.rate, self.chunk_ms = rate, chunk_ms
         self.ice_servers = _ice_servers((webrtc or {}).get("ice_servers"))
+        self.target_ms, self.admission, self.admission_wait_s = target_ms, admission, admission_wait_s
         self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions
         self.twilio_auth_token = twilio_auth_token or os.environ.get(TWILIO_TOKEN_ENV) or None
         self.session: Session | None = None

@@ -1,10 +1,12 @@
 """The realtime server's Prometheus figures (``/metrics``): sessions, turns, voice-to-voice, the
-sessions it closed and why, the stages that failed, the managed model server's restarts."""
+sessions it closed and refused and why, the stages that failed, the managed model server's
+restarts, and the shared models' queues (admission.py's InferenceCollector)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from nodes.io.realtime.admission import InferenceCollector
 from s2s_flow.node import require
 
 __all__ = ["ServerMetrics"]
@@ -22,6 +24,12 @@ class ServerMetrics:
         self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
         self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
                                     registry=self.registry)
+        self.refused = prom.Counter("s2s_sessions_refused", "Connections refused: by io.max_sessions (count) or "
+                                    "because the sessions open are already slower than io.target_ms (load)",
+                                    ["reason"], registry=self.registry)
+        for reason in ("count", "load"):
+            self.refused.labels(reason)
+        self.registry.register(InferenceCollector())
         self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "
                                      "llm.fallback_reply, or an error event)", ["stage"], registry=self.registry)
         self.registry.register(_RestartCollector(prom))

@@ -3,9 +3,10 @@
 Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same
 sessions over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through
 Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
-sessions open, turns, voice-to-voice), ``/`` (a browser client), ``/healthz`` (alive) and ``/readyz``
-(accepting: 503 while draining or full). Every route passes the Origin and Host checks first
-(guard.py); SIGTERM drains (drain.py). Each connection builds a
+sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
+client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route
+passes the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is
+admitted by count and by load (admission.py). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
 source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
 it with its own Scheduler on its own threads; models come from the process-wide cache
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nodes.io.realtime import protocol as events
+from nodes.io.realtime.admission import Admission
 from nodes.io.realtime.client_events import ClientEvents
 from nodes.io.realtime.drain import Drain, drainable_server
 from nodes.io.realtime.guard import Guard
@@ -81,6 +83,9 @@ class ServerOptions(Protocol):
     idle_timeout_s: float
     max_frame_bytes: int
     max_queued_bytes: int
+    target_ms: float | None
+    admission: str
+    admission_wait_s: float
     max_events_per_s: float
     drain_timeout_s: float
     allowed_origins: list[str]
@@ -106,6 +111,9 @@ class RealtimeServer:
         self.make_graph, self.options, self.run_dir = make_graph, options, Path(run_dir)
         self.console = console
         self.metrics = ServerMetrics()
+        self.admission = Admission(sessions=lambda: self.open, max_sessions=options.max_sessions,
+                                   target_ms=options.target_ms, policy=options.admission,
+                                   wait_s=options.admission_wait_s)
         self.open = 0
         self.sessions_run = 0
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
@@ -261,10 +269,11 @@ class RealtimeServer:
         await ws.accept(subprotocol=subprotocol)
         if await self.drain.turned_away(ws):
             return
-        if self.open >= self.options.max_sessions:
+        refused = await self.admission.admit()  # by count and by load (admission.py)
+        if refused is not None:
+            self.metrics.refused.labels(refused).inc()
             await ws.send_text(events.encode(events.error(
-                "session_limit_reached", f"the server holds {self.options.max_sessions} sessions "
-                "(io.max_sessions); try again later", type="server_error")))
+                "session_limit_reached", self.admission.explain(refused), type="server_error")))
             await ws.close(code=1008, reason="session_limit_reached")
             return
         connection = _Connection(self, ws, send)
@@ -289,6 +298,13 @@ class RealtimeServer:
         if self.sessions.pop(connection.session.id, None) is not None:
             self.open -= 1
             self.metrics.sessions.dec()
+            self.admission.closed()
+
+    def observe(self, name: str, value: float) -> None:
+        """A session's figure (its metrics callback, any thread): to /metrics and to admission."""
+        if name == "voice_to_voice_s":
+            self.admission.voice_to_voice(value)
+        self.metrics.observe(name, value)
 
 
 class _Connection:
@@ -304,7 +320,7 @@ class _Connection:
         self.ended: tuple[int, str, str] | None = None  # the server closes the session: (close code, error, why)
         self.ending = asyncio.Event()
         self.rate = EventRate(server.options.max_events_per_s)
-        self.session = Session(self._emit, SessionConfig(), observe=server.metrics.observe)
+        self.session = Session(self._emit, SessionConfig(), observe=server.observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
 

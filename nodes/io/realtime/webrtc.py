@@ -361,9 +361,10 @@ class WebRTCCalls:
         if getattr(server, "drain", None) is not None and server.drain.draining:
             return self._refused(503, "server_draining", "the server is draining (SIGTERM): call another "
                                  "one, or again once it is back", "server_error")
-        if server.open >= server.options.max_sessions:
-            return self._refused(503, "session_limit_reached", f"the server holds {server.options.max_sessions} "
-                                 "sessions (io.max_sessions); try again later", "server_error")
+        refused = await server.admission.admit()  # by count and by load, as a WebSocket is
+        if refused is not None:
+            server.metrics.refused.labels(refused).inc()
+            return self._refused(503, "session_limit_reached", server.admission.explain(refused), "server_error")
         if int(request.headers.get("content-length") or 0) > MAX_OFFER_BYTES:
             return self._too_large()
         body, update = await request.body(), None

@@ -1,0 +1,378 @@
+"""bench_realtime.py --conversations: people talking to the io=realtime server at once, not prompts.
+
+Each of N clients holds one conversation over the WebSocket, paced like a person: it speaks a
+2-3 s question at a microphone's pace (20 ms appends, each sent once its last sample is
+"recorded"; the microphone stays open and sends silence between questions), waits for the reply,
+listens to it for as long as its audio lasts, thinks ``--think-s``, and asks the next, ``--turns``
+times; the clients start ``--stagger-s`` apart. Voice-to-voice is the client's: the first reply
+audio received minus the question's true end of speech (a response the user talked over, a false
+end, is not counted; its audio is ignored).
+
+Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never
+came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
+has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) and its children
+(llama-server: the LLM), per answered turn. Then the largest N whose p95 < 1 s.
+
+``--server-tree PATH ...``: the same clients against the server started from each source tree
+(``s2s-run recipe=local_cpu io=realtime`` run with that tree on PYTHONPATH), one after the other in
+one run: before and after side by side. The server is started once per tree with io.max_sessions
+= the largest N, its llama-server on a free port (one already running elsewhere is not used).
+Admission is by count only (``io.target_ms=null`` where the tree has it), so that every tree
+serves every conversation; ``--load-admission`` keeps the tree's own admission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median, quantiles
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RATE = 24000  # the protocol's default PCM rate, both ways
+STEP = RATE // 50  # 20 ms per append
+QUESTIONS = [  # 2-3 s of speech each in the corpus voice (Piper en_US)
+    "What is the tallest mountain in Europe, and how high is it?",
+    "How long should I boil an egg for a soft breakfast?",
+    "Can you suggest a good name for my new puppy?",
+    "Why do the leaves on the trees change colour in autumn?",
+    "How far away is the moon from the earth, roughly?",
+    "What should I pack for a weekend hiking trip in the mountains?",
+    "Tell me one interesting fact about octopuses.",
+    "What is a good way to start learning to cook at home?",
+]
+
+
+def pct(values: list[float], q: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1 or q == 50:
+        return round(median(values), 1)
+    return round(quantiles(values, n=100, method="inclusive")[q - 1], 1)
+
+
+def questions() -> list[tuple[np.ndarray, float]]:
+    """The questions as 24 kHz PCM with their true end of speech (s), from the benchmark corpus
+    machinery (synthesized once, cached)."""
+    from s2s_flow.audio import resample
+    from s2s_flow.cli import plan
+    from s2s_flow.compose import compose
+    from s2s_flow.corpus import manifest
+    from s2s_flow.node import Context
+
+    listed = ",".join(f"'{q}'" for q in QUESTIONS)
+    cfg, choices = compose(["recipe=local_cpu", "server=null", "bench=latency", f"bench.prompts=[{listed}]",
+                            "bench.lead_silence_s=0.2", "bench.tail_silence_s=0"])
+    source = plan(cfg, choices).nodes["source"].node
+    source.ctx = Context("source", Path(tempfile.mkdtemp()))
+    source.setup()
+    import soundfile as sf
+
+    out = []
+    for entry in manifest(source.corpus_dir)["files"]:
+        pcm, rate = sf.read(source.corpus_dir / entry["file"], dtype="float32")
+        out.append((resample(pcm, rate, RATE), float(entry["speech_end_s"])))
+    return out
+
+
+class Mic:
+    """A microphone that never closes: a 20 ms append every 20 ms, the question being spoken or silence."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws, self.t0, self.sent = ws, time.monotonic(), 0  # blocks taken so far
+        self.pending = np.zeros(0, np.int16)
+        self.spoken: asyncio.Future[None] | None = None
+
+    def say(self, pcm: np.ndarray, speech_end_s: float) -> tuple[float, asyncio.Future[None]]:
+        """Queue a question; its true end of speech on the monotonic clock, and a future set once sent.
+        Its first sample is the next block's, recorded from t0 + sent blocks."""
+        self.pending = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+        self.spoken = asyncio.get_running_loop().create_future()
+        return self.t0 + self.sent * STEP / RATE + speech_end_s, self.spoken
+
+    async def run(self) -> None:
+        silence = base64.b64encode(bytes(2 * STEP)).decode()
+        while True:
+            # a microphone hands over a block once its last sample is recorded
+            await asyncio.sleep(max(0.0, self.t0 + (self.sent + 1) * STEP / RATE - time.monotonic()))
+            self.sent += 1
+            if len(self.pending):
+                block, self.pending = self.pending[:STEP], self.pending[STEP:]
+                block = np.pad(block, (0, STEP - len(block)))
+                audio = base64.b64encode(block.astype("<i2").tobytes()).decode()
+                if not len(self.pending) and self.spoken is not None and not self.spoken.done():
+                    self.spoken.set_result(None)
+            else:
+                audio = silence
+            await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+
+
+class Listener:
+    """The server's events for the turn at hand: the first audio after the question's end, the
+    completed response's audio length, errors."""
+
+    def __init__(self) -> None:
+        self.after = float("inf")
+        self.first: float | None = None
+        self.audio_bytes = 0
+        self.done = asyncio.Event()
+        self.errors: list[str] = []
+
+    def expect(self, after: float) -> None:
+        self.after, self.first, self.audio_bytes = after, None, 0
+        self.done.clear()
+
+    async def run(self, ws: Any) -> None:
+        async for text in ws:
+            now = time.monotonic()
+            if '"response.output_audio.delta"' in text[:200]:
+                if now >= self.after:
+                    self.first = self.first or now
+                    self.audio_bytes += len(base64.b64decode(json.loads(text)["delta"]))
+                continue
+            event = json.loads(text)
+            if event["type"] == "error":
+                self.errors.append(event["error"].get("code") or "error")
+            elif (event["type"] == "response.done" and now >= self.after and self.first is not None
+                  and event["response"].get("status") == "completed"):
+                self.done.set()
+
+
+async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace) -> dict:
+    from websockets.asyncio.client import connect
+
+    await asyncio.sleep(k * args.stagger_s)
+    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0}
+    try:
+        ws = await connect(f"{url}/realtime", max_size=None)
+    except Exception as exc:
+        out["errors"].append(f"connect: {type(exc).__name__}")
+        return out
+    async with ws:
+        first = json.loads(await ws.recv())
+        if first["type"] != "session.created":
+            code = first.get("error", {}).get("code", first["type"])
+            if code == "session_limit_reached":
+                out["refused"] = 1
+            else:
+                out["errors"].append(code)
+            return out
+        mic, listener = Mic(ws), Listener()
+        tasks = [asyncio.create_task(mic.run()), asyncio.create_task(listener.run(ws))]
+        try:
+            for j in range(args.turns):
+                pcm, end = said[(k * 3 + j) % len(said)]  # each client its own order
+                t_end, spoken = mic.say(pcm, end)
+                listener.expect(t_end)
+                await spoken
+                try:
+                    await asyncio.wait_for(listener.done.wait(), args.reply_timeout_s)
+                except TimeoutError:
+                    out["errors"].append("no reply")
+                    break
+                out["v2v"].append((listener.first - t_end) * 1000)
+                heard = listener.first + listener.audio_bytes / 2 / RATE
+                await asyncio.sleep(max(0.0, heard - time.monotonic()) + args.think_s)  # listen, then think
+        except Exception as exc:  # the server closed the connection, or the clients' loop failed
+            out["errors"].append(f"{type(exc).__name__}: {exc}"[:80])
+        finally:
+            for task in tasks:
+                task.cancel()
+            out["errors"] += listener.errors
+    return out
+
+
+async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace) -> dict:
+    results = await asyncio.gather(*(conversation(url, k, said, args) for k in range(n)))
+    return {"v2v": [v for r in results for v in r["v2v"]], "errors": [e for r in results for e in r["errors"]],
+            "refused": sum(r["refused"] for r in results)}
+
+
+# -- the server of one tree ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``/metrics`` as {name{labels}: value} (the figures this bench reads: shed work, refusals)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def shed_by_kind(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, value in after.items():
+        if key.startswith("s2s_inference_shed_total{"):
+            kind = dict(p.split("=", 1) for p in key[key.index("{") + 1 : -1].split(",")).get("kind", "?")
+            out[kind] = out.get(kind, 0) + round(value - before.get(key, 0.0))
+    return {k: v for k, v in out.items() if v}
+
+
+class TreeServer:
+    """``s2s-run recipe=local_cpu io=realtime`` from a source tree, in a process of its own."""
+
+    def __init__(self, tree: Path, max_sessions: int, overrides: list[str], out: Path, load_admission: bool) -> None:
+        self.tree, self.port = tree, free_port()
+        args = ["recipe=local_cpu", "io=realtime", f"io.port={self.port}", f"io.max_sessions={max_sessions}",
+                f"llm.base_url=http://127.0.0.1:{free_port()}/v1", f"hydra.run.dir={out}"]
+        realtime_yaml = tree / "conf" / "io" / "realtime.yaml"
+        if not load_admission and "target_ms:" in realtime_yaml.read_text():
+            args.append("io.target_ms=null")
+        self.argv = [sys.executable, "-m", "s2s_flow.cli", *args, *overrides]
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = out / "server-stdout.log"
+        env = {**os.environ, "PYTHONPATH": str(tree), "NO_PROXY": "127.0.0.1,localhost"}
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server from {tree} exited ({self.proc.returncode}): "
+                                   f"{self.log.read_text()[-2000:]}")
+            try:
+                scrape(self.port)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the server from {tree} did not answer in 600 s; log: {self.log}") from None
+                time.sleep(0.5)
+
+    def cpu_s(self) -> tuple[float, float]:
+        """(this server's Python process, its children: llama-server) CPU seconds so far."""
+        import psutil
+
+        proc = psutil.Process(self.proc.pid)
+        own = sum(proc.cpu_times()[:2])
+        children = 0.0
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                children += sum(child.cpu_times()[:2])
+        return own, children
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # s2s-run stops its llama-server on the way out
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], args: argparse.Namespace,
+             out: Path) -> dict[int, dict[str, Any]]:
+    print(f"server from {tree} ...", file=sys.stderr, flush=True)
+    server = TreeServer(tree, max(ns), args.overrides, out, args.load_admission)
+    rows = {}
+    try:
+        url = f"ws://127.0.0.1:{server.port}/v1"
+        asyncio.run(conversations(url, 1, said[:1], argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
+        for n in ns:
+            print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
+            before, cpu0 = scrape(server.port), server.cpu_s()
+            got = asyncio.run(conversations(url, n, said, args))
+            after, cpu1 = scrape(server.port), server.cpu_s()
+            turns = max(1, len(got["v2v"]))
+            rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "turns": len(got["v2v"]),
+                       "errors": len(got["errors"]) + got["refused"], "refused": got["refused"],
+                       "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
+                       "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
+                                          "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)}}
+            print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
+    trees = list(results)
+    head = "| conversations | " + " | ".join(
+        f"{t}: v2v p50 / p95 ms | errors | shed | CPU s/turn py / llm" for t in trees) + " |"
+    lines = [head, "|---|" + "--:|--:|--:|--:|" * len(trees)]
+    for n in ns:
+        cells = []
+        for t in trees:
+            r = results[t][n]
+            shed = ", ".join(f"{k} {v}" for k, v in sorted(r["shed"].items())) or "0"
+            cpu = r["cpu_s_per_turn"]
+            cells += [f"{r['p50']} / {r['p95']}", f"{r['errors']}" + (f" ({r['refused']} refused)" if r["refused"]
+                                                                     else ""), shed,
+                      f"{cpu['python']} / {cpu['llama_server']}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for t in trees:
+        ok = [n for n in ns if results[t][n]["p95"] is not None and results[t][n]["p95"] < 1000
+              and not results[t][n]["errors"]]
+        lines.append(f"- {t}: largest N with p95 < 1 s and no errors: {max(ok) if ok else 'none'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="bench_realtime.py --conversations", description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", nargs="+", required=True, metavar="N",
+                    help="numbers of conversations at once, e.g. 1 2 4 8")
+    ap.add_argument("--server-tree", nargs="+", default=[str(ROOT)], metavar="PATH",
+                    help="source trees to start the server from, one after the other (default: this one)")
+    ap.add_argument("--turns", type=int, default=4, help="questions per conversation")
+    ap.add_argument("--stagger-s", type=float, default=3.0, help="between the clients' starts")
+    ap.add_argument("--think-s", type=float, default=1.0, help="after listening to a reply")
+    ap.add_argument("--reply-timeout-s", type=float, default=30.0, help="a reply not done by then is an error")
+    ap.add_argument("--load-admission", action="store_true",
+                    help="keep the server's admission by load (io.target_ms); default: by count only")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-conversations-")))
+    ap.add_argument("overrides", nargs="*", help="s2s-run overrides for every tree's server")
+    args = ap.parse_args(argv)
+    # overrides may follow the lists: key=value words are overrides, the rest numbers or trees
+    args.overrides += [a for a in args.conversations + args.server_tree if "=" in a]
+    ns = sorted({int(a) for a in args.conversations if "=" not in a})
+    trees = [Path(a).expanduser().resolve() for a in args.server_tree if "=" not in a]
+    said = questions()
+    results = {}
+    for i, tree in enumerate(trees):
+        name = tree.name if [t.name for t in trees].count(tree.name) == 1 else str(tree)
+        results[name] = run_tree(tree, ns, said, args, args.out / f"tree{i}-{tree.name}")
+    report = {"cpu": _cpu_model(), "turns": args.turns, "stagger_s": args.stagger_s, "trees": {
+        name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
+    (args.out / "conversations.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    print(f"\n{report['cpu']}, {args.turns} turns per conversation, starts {args.stagger_s:g} s apart "
+          f"(results: {args.out})\n")
+    print(table(results, ns))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores"

@@ -1,0 +1,168 @@
+"""Admission by capacity: whether the realtime server takes one more session now.
+
+A server is full by count (``io.max_sessions``) or by load: its live sessions are already slower
+than ``io.target_ms`` (the median of the recent voice-to-voice figures, first reply audio sent
+minus the user's end of speech), or a confirmed turn's work already queues for the shared models
+(the wait of ``first`` work in ``s2s_flow.inference.snapshot()``, summed over the models a turn
+passes, is over half the target, while replies are being made). One more session would only make
+every session later, so a new connection is refused with ``session_limit_reached``
+(``io.admission=refuse``) or waits, at most ``io.admission_wait_s``, for a session to end or the
+load to fall (``io.admission=wait``).
+
+The same snapshot feeds ``/metrics``: per model, the work queued and running, its recent queue wait
+and the work shed, by kind (``InferenceCollector``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from statistics import median
+from typing import Any
+
+from s2s_flow.errors import ConfigError
+
+__all__ = ["Admission", "InferenceCollector", "POLICIES", "check", "inference_snapshot"]
+
+POLICIES = ("refuse", "wait")
+RECENT = 16          # voice-to-voice figures kept (the most recent, of any session)
+RECENT_S = 60.0      # ... and none older than this: a load that has passed no longer counts
+MIN_FIGURES = 2      # fewer figures than this say nothing about the load
+FIRST_WAIT_SHARE = 0.5  # full when confirmed work queues for more than this share of the target
+
+
+def inference_snapshot() -> dict[str, dict[str, Any]]:
+    """``s2s_flow.inference.snapshot()``: per shared model ``{"queued": {kind: n}, "running": n,
+    "wait_s": {kind: s}, "shed": {kind: n}}``; empty where the engine has no inference scheduler."""
+    try:
+        from s2s_flow.inference import snapshot
+    except ImportError:
+        return {}
+    return snapshot() or {}
+
+
+def first_wait_s(snapshot: dict[str, dict[str, Any]]) -> float:
+    """How long a confirmed turn's work queues now: ``first`` work's recent wait, over the models."""
+    return sum(float((model.get("wait_s") or {}).get("first") or 0.0) for model in snapshot.values())
+
+
+def check(policy: str, target_ms: float | None, wait_s: float) -> None:
+    """The admission settings, checked at compose time (the source's) and again by the server."""
+    if policy not in POLICIES:
+        raise ConfigError(f"io.admission={policy!r} is not an admission policy; choose io.admission=refuse "
+                          "(a connection beyond capacity gets session_limit_reached) or io.admission=wait "
+                          "(it waits up to io.admission_wait_s for room)")
+    if target_ms is not None and (isinstance(target_ms, bool) or target_ms <= 0):
+        raise ConfigError(f"io.target_ms={target_ms} must be > 0 (the voice-to-voice a session should get, "
+                          "in ms), or null to admit by io.max_sessions alone")
+    if wait_s < 0:
+        raise ConfigError(f"io.admission_wait_s={wait_s} must be >= 0 seconds")
+
+
+class Admission:
+    """The server's admission decisions (one per server; used on its event loop only)."""
+
+    def __init__(self, *, sessions: Callable[[], int], max_sessions: int, target_ms: float | None = 1000.0,
+                 policy: str = "refuse", wait_s: float = 10.0,
+                 snapshot: Callable[[], dict[str, dict[str, Any]]] = inference_snapshot,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        check(policy, target_ms, wait_s)
+        self.sessions, self.max_sessions, self.target_ms = sessions, max_sessions, target_ms
+        self.policy, self.wait_s, self.snapshot, self.clock = policy, wait_s, snapshot, clock
+        self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (when, voice-to-voice s)
+        self._changed: asyncio.Event | None = None
+        self.load = ""  # what made it full by load, the last time it was
+
+    # -- what the server tells it --------------------------------------------------------------
+
+    def voice_to_voice(self, seconds: float) -> None:
+        """A live session's reply started ``seconds`` after its user stopped speaking (any thread)."""
+        self.recent.append((self.clock(), seconds))
+
+    def closed(self) -> None:
+        """A session ended: room for a waiting connection (on the server's loop)."""
+        if self._changed is not None:
+            self._changed.set()
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def recent_v2v_s(self) -> list[float]:
+        cutoff = self.clock() - RECENT_S
+        return [v for t, v in list(self.recent) if t >= cutoff]
+
+    def full(self) -> str | None:
+        """Why one more session cannot be served now ("count" or "load"), None when it can; what the
+        load was is kept for explain()."""
+        live = self.sessions()
+        if live >= self.max_sessions:
+            return "count"
+        if self.target_ms is None or not live:
+            return None
+        target_s = self.target_ms / 1000
+        recent = self.recent_v2v_s()
+        if len(recent) >= MIN_FIGURES and median(recent) > target_s:
+            self.load = f"its sessions' replies start {median(recent) * 1000:.0f} ms after the user stops (median)"
+            return "load"
+        # the scheduler's waits are those of the last work done: current only while replies are
+        waited = first_wait_s(self.snapshot()) if recent else 0.0
+        if waited > FIRST_WAIT_SHARE * target_s:
+            self.load = f"confirmed turns queue {waited * 1000:.0f} ms for the shared models"
+            return "load"
+        return None
+
+    def explain(self, reason: str) -> str:
+        """The error message a refused client reads."""
+        if reason == "count":
+            return f"the server holds {self.max_sessions} sessions (io.max_sessions); try again later"
+        return (f"the server is at capacity: {self.load}, over its io.target_ms={self.target_ms:g} budget, so "
+                "one more session would slow every one; try again later (or another server)")
+
+    async def admit(self) -> str | None:
+        """Take the new connection (None) or say why not. ``wait``: until there is room, at most
+        ``wait_s``; the verdict is taken again whenever a session ends, and at least every second
+        (the load falls as figures age)."""
+        reason = self.full()
+        if reason is None or self.policy == "refuse":
+            return reason
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        deadline = self.clock() + self.wait_s
+        while reason is not None and (left := deadline - self.clock()) > 0:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+            reason = self.full()
+        return reason
+
+
+class InferenceCollector:
+    """Prometheus collector of ``inference_snapshot()``, read at every scrape of ``/metrics``."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, dict[str, Any]]] = inference_snapshot) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> list[Any]:
+        return []  # names are known only at scrape time; registering must not take a snapshot
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        queued = GaugeMetricFamily("s2s_inference_queued", "Work waiting for a shared model, by kind",
+                                   labels=["model", "kind"])
+        running = GaugeMetricFamily("s2s_inference_running", "Work a shared model runs now", labels=["model"])
+        wait = GaugeMetricFamily("s2s_inference_wait_seconds", "Recent mean queue wait for a shared model, "
+                                 "by kind", labels=["model", "kind"])
+        shed = CounterMetricFamily("s2s_inference_shed", "Work shed under load (never run), by kind",
+                                   labels=["model", "kind"])
+        for model, figures in sorted(self.snapshot().items()):
+            for kind, n in sorted((figures.get("queued") or {}).items()):
+                queued.add_metric([model, kind], n)
+            running.add_metric([model], figures.get("running") or 0)
+            for kind, s in sorted((figures.get("wait_s") or {}).items()):
+                wait.add_metric([model, kind], s)
+            for kind, n in sorted((figures.get("shed") or {}).items()):
+                shed.add_metric([model, kind], n)
+        yield from (queued, running, wait, shed)

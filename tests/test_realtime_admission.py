@@ -1,0 +1,167 @@
+"""Admission by capacity (nodes/io/realtime/admission.py): the realtime server refuses (or holds)
+a new connection when its sessions are already slower than io.target_ms, not only past
+io.max_sessions, and /metrics shows the refusals and the shared models' queues.
+
+The decision is tested on given figures (voice-to-voice, the inference snapshot's shape); the
+refusal by load end to end with the real offline stack: a session's spoken turns make the load
+(their voice-to-voice is always above a 1 ms target), and the next connection is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from nodes.io.realtime.admission import Admission, InferenceCollector
+from s2s_flow.cli import plan
+from s2s_flow.compose import compose
+from s2s_flow.errors import ConfigError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def snapshot_of(first_wait_s: float) -> dict:
+    return {"whisper": {"queued": {"first": 2, "speculative": 1}, "running": 1,
+                        "wait_s": {"first": first_wait_s, "speculative": 0.9}, "shed": {"speculative": 3}}}
+
+
+def admission(open_now: list[int], **kw) -> Admission:
+    return Admission(sessions=lambda: open_now[0], **{"max_sessions": 4, "target_ms": 1000, **kw})
+
+
+def test_full_by_count_by_recent_voice_to_voice_and_by_the_queue_wait_of_confirmed_work():
+    open_now, clock, first_wait = [1], Clock(), [0.0]
+    gate = admission(open_now, clock=clock, snapshot=lambda: snapshot_of(first_wait[0]))
+    assert gate.full() is None
+    gate.voice_to_voice(1.4)
+    assert gate.full() is None, "one slow reply says nothing yet"
+    gate.voice_to_voice(1.3)
+    assert gate.full() == "load"
+    assert "io.target_ms=1000" in gate.explain("load") and "1350 ms" in gate.explain("load")
+    clock.t += 61  # those figures have aged out: the load has passed
+    assert gate.full() is None
+    first_wait[0] = 0.6  # confirmed turns queued for over half the target...
+    assert gate.full() is None, "... but nothing was answered for a minute: those waits are stale"
+    gate.voice_to_voice(0.5)
+    assert gate.full() == "load" and "queue 600 ms" in gate.explain("load")
+    first_wait[0] = 0.0
+    for _ in range(16):
+        gate.voice_to_voice(0.7)  # fast replies now
+    assert gate.full() is None
+    open_now[0] = 4
+    assert gate.full() == "count" and "io.max_sessions" in gate.explain("count")
+
+
+def test_target_null_admits_by_count_alone_and_an_empty_server_always_takes_one():
+    open_now = [0]
+    gate = admission(open_now, snapshot=lambda: snapshot_of(5.0))
+    assert gate.full() is None  # nobody to slow down
+    open_now[0] = 1
+    gate.voice_to_voice(0.5)
+    assert gate.full() == "load"
+    assert admission(open_now, target_ms=None, snapshot=lambda: snapshot_of(5.0)).full() is None
+
+
+def test_wait_holds_a_connection_until_a_session_ends_and_is_bounded():
+    async def scenario() -> tuple[str | None, str | None]:
+        open_now = [2]
+        gate = admission(open_now, max_sessions=2, policy="wait", wait_s=30)
+        waiting = asyncio.ensure_future(gate.admit())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        open_now[0] = 1
+        gate.closed()
+        admitted = await asyncio.wait_for(waiting, 10)
+        open_now[0] = 2
+        bounded = await admission(open_now, max_sessions=2, policy="wait", wait_s=0.05).admit()
+        return admitted, bounded
+
+    assert asyncio.run(scenario()) == (None, "count")
+
+
+def test_bad_admission_settings_are_compose_time_errors():
+    for override, words in (("io.admission=later", "io.admission=refuse"), ("io.target_ms=0", "io.target_ms"),
+                            ("io.admission_wait_s=-1", "io.admission_wait_s")):
+        cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", override])
+        with pytest.raises(ConfigError, match=words):
+            plan(cfg, choices)
+
+
+def test_metrics_expose_the_shared_models_queues_waits_and_shed_work_by_kind():
+    prom = pytest.importorskip("prometheus_client", reason="pip install 's2s-flow[serve]'")
+    registry = prom.CollectorRegistry()
+    registry.register(InferenceCollector(lambda: snapshot_of(0.25)))
+    text = prom.generate_latest(registry).decode()
+    for line in ('s2s_inference_queued{kind="first",model="whisper"} 2.0',
+                 's2s_inference_running{model="whisper"} 1.0',
+                 's2s_inference_wait_seconds{kind="first",model="whisper"} 0.25',
+                 's2s_inference_shed_total{kind="speculative",model="whisper"} 3.0'):
+        assert line in text, text
+
+
+# -- end to end: a real server on the offline stack ---------------------------------------------
+
+RATE = 24000
+
+
+@pytest.fixture(scope="module")
+def llama(smollm2_gguf, llama_server_binary) -> Iterator[str]:
+    from tests.support.servers import running_llama_server
+
+    with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=("--jinja",)) as base_url:
+        yield base_url
+
+
+def _spoken(text: str) -> list[str]:
+    from tests.support.speech import synthesize
+
+    pcm = np.concatenate([np.zeros(RATE // 5, np.float32), synthesize(text, rate=RATE), np.zeros(RATE, np.float32)])
+    data = (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    return [base64.b64encode(data[i : i + 9600]).decode() for i in range(0, len(data), 9600)]
+
+
+def _metrics(url: str) -> str:
+    http = url.replace("ws://", "http://").removesuffix("/v1")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{http}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(llama, tmp_path):
+    for module in ("starlette", "uvicorn", "websockets", "faster_whisper", "piper", "onnxruntime"):
+        pytest.importorskip(module, reason="io=realtime on the offline stack: pip install 's2s-flow[serve,offline]'")
+    from websockets.sync.client import connect
+
+    from nodes.io.realtime.server import RealtimeServer
+
+    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=16",
+                            f"llm.base_url={llama}", "io.max_sessions=4", "io.target_ms=1"])
+    server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
+    url = server.start()
+    try:
+        with connect(f"{url}/realtime", open_timeout=10) as ws:
+            assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
+            for question in ("What is the capital of France?", "How many legs does a spider have?"):
+                for chunk in _spoken(question):
+                    ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                while json.loads(ws.recv(timeout=120))["type"] != "response.done":
+                    pass
+            with connect(f"{url}/realtime", open_timeout=10) as late:
+                refused = json.loads(late.recv(timeout=60))
+            assert refused["type"] == "error" and refused["error"]["code"] == "session_limit_reached", refused
+            assert "io.target_ms=1" in refused["error"]["message"]
+            metrics = _metrics(url)
+            assert 's2s_sessions_refused_total{reason="load"} 1.0' in metrics, metrics
+            assert 's2s_sessions_refused_total{reason="count"} 0.0' in metrics
+    finally:
+        server.stop()
