@@ -6,6 +6,11 @@ second, and an LLM backend reads the first to cut its history to what was heard:
 
     truncate_to_heard(self.ctx, self.conversation)   # in an LLM's process(), before add_user
 
+It is also the session's playback clock. A sink that plays at the listener's pace (io=realtime,
+the speaker) marks it ``paced`` and tells it when a reply started playing and how much of it was
+sent; a TTS reads ``played_s(turn)`` to make a reply's later sentences just in time, ``tts.lead_s``
+ahead of the listener (``wait_played``). A file run's sink marks nothing: no pacing.
+
 The record lives in the run-wide ``ctx.run_state`` dict, so every node of a run sees the same one.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from s2s_flow.node import Context
@@ -25,8 +31,12 @@ class Playback:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a reply started, or more of it was sent
         self._heard: dict[int, str] = {}
         self._started: dict[int, float] = {}
+        self._sent: dict[int, float] = {}  # seconds of each reply's audio sent to the listener
+        #: set by a sink that plays at the listener's pace: a TTS paces its replies by this clock
+        self.paced = False
         self._audible_until = 0.0
         self.cuts: list[dict[str, Any]] = []  # one per interrupted reply: turn, t, heard, played_s
 
@@ -34,6 +44,45 @@ class Playback:
         """The first audio of ``turn``'s reply went to the device at ``t`` (kept once)."""
         with self._lock:
             self._started.setdefault(turn, t)
+            self._changed.notify_all()
+
+    def sent(self, turn: int, seconds: float) -> None:
+        """``seconds`` more of ``turn``'s reply went to the listener (queued to play)."""
+        with self._lock:
+            self._sent[turn] = self._sent.get(turn, 0.0) + seconds
+            for old in [t for t in self._sent if t < turn - 8]:  # replies long over
+                del self._sent[old]
+                self._started.pop(old, None)
+            self._changed.notify_all()
+
+    def played_s(self, turn: int, now: float | None = None) -> float:
+        """How much of ``turn``'s reply the listener has heard by ``now``: the time since it started
+        playing, at most what was sent of it (0 before it started)."""
+        with self._lock:
+            return self._played(turn, time.monotonic() if now is None else now)
+
+    def _played(self, turn: int, now: float) -> float:
+        start = self._started.get(turn)
+        return 0.0 if start is None else max(0.0, min(now - start, self._sent.get(turn, 0.0)))
+
+    def wait_played(self, turn: int, seconds: float, cancelled: Callable[[], bool]) -> None:
+        """Block until ``seconds`` of ``turn``'s reply were played, or ``cancelled()`` (a barge-in,
+        the end: call :meth:`wake` to have it looked at now)."""
+        with self._lock:
+            while not cancelled():
+                now = time.monotonic()
+                played = self._played(turn, now)
+                if played >= seconds:
+                    return
+                start = self._started.get(turn)
+                playing = start is not None and self._sent.get(turn, 0.0) > played
+                # playing: wake when enough has; else when the sink starts it or sends more
+                self._changed.wait(min(seconds - played, 0.5) if playing else 0.5)
+
+    def wake(self) -> None:
+        """Have the waits look at their ``cancelled()`` now."""
+        with self._lock:
+            self._changed.notify_all()
 
     def started_at(self, turn: int) -> float | None:
         with self._lock:

@@ -33,6 +33,20 @@ The cache holds resources weakly: they live while a session's node (or a server 
 them warm: :func:`keep_shared`) holds them, and are freed with the last one. A heavy helper
 that is not the node's own resource (the turn model a VAD may consult) goes through the same
 cache with :func:`shared`: ``shared((__name__, threads), lambda: SmartTurn(threads))``.
+
+Shared inference. A shared model that sessions call into (Whisper, a Piper voice, Smart Turn, a
+local LLM) is contended: with many sessions, what a listener waits for must go first. A backend
+declares it with ``inference_key()`` (the model's name in the schedulers and /metrics) and
+``inference_slots()`` (how many calls it runs at once, default 1), and makes each call inside
+``self.inference_slot(kind, turn=...)`` (s2s_flow/inference.py: the kinds and their order)::
+
+    def inference_key(self): return f"whisper:{self.model}"
+    def inference_slots(self): return self._workers
+    with self.inference_slot("first", turn=msg.turn):     # a speculative turn's work is
+        text = self._whisper.transcribe(audio)             # "speculative" until confirmed
+
+The stage base classes do this for their backends (every STT's decode, every TTS's synthesis),
+so a backend only names its model; a backend without a key (a remote server) is not scheduled.
 """
 
 from __future__ import annotations
@@ -46,6 +60,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from s2s_flow import inference
 from s2s_flow.errors import MissingDependency
 from s2s_flow.messages import Message
 
@@ -198,6 +213,13 @@ class Context:
         self.live = live
 
     @property
+    def work(self) -> inference.Session:
+        """The session's side of the shared models' schedulers (its speculative turns), one for
+        every node of the session."""
+        with _TURN_LOCK:
+            return self.run_state.setdefault("inference", inference.Session(self.conversation))
+
+    @property
     def epoch(self) -> int:
         """Messages of turns below the epoch are stale (an interrupt bumped it)."""
         return self._epoch()
@@ -268,6 +290,26 @@ class Node:
         """What ``load_shared()`` made for this node's ``shared_key()``: loaded by the first session
         that asks (the others wait for it), the same object for all of them after."""
         return shared((type(self).__module__, type(self).__qualname__, self.shared_key()), self.load_shared)
+
+    def inference_key(self) -> str | None:
+        """The shared model this node's calls go to, by name (its scheduler; /metrics shows it);
+        None: nothing shared to schedule (a remote server, a light engine)."""
+        return None
+
+    def inference_slots(self) -> int:
+        """How many calls the shared model runs at once (known after ``setup()``)."""
+        return 1
+
+    def inference_slot(self, kind: str = "first", *, turn: int | None = None, deadline: float | None = None,
+                       cancelled: Callable[[], bool] | None = None) -> contextlib.AbstractContextManager[str]:
+        """A slot of the shared model for one call (blocking; a free slot costs a lock), or a no-op
+        for a node with no ``inference_key()``; raises ``inference.Shed`` for speculative or partial
+        work under load, ``inference.Cancelled`` once ``cancelled()`` (a barge-in) while it waits."""
+        key = self.inference_key()
+        if key is None:
+            return contextlib.nullcontext(kind)
+        return inference.scheduler(key, self.inference_slots()).slot(
+            kind, deadline=deadline, session=self.ctx.work, turn=turn, cancelled=cancelled)
 
     def port_rate(self, port: str) -> int | None:
         """Sample rate of an audio port, if fixed by the parameters (checked across edges)."""

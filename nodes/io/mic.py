@@ -196,6 +196,7 @@ class SpeakerSink(Node):
         block = self.rate * self.block_ms // 1000
         stream = _open(sd, "output", index, self.rate, block, self.latency, "io.output_device")
         self.playback = playback_of(self.ctx)
+        self.playback.paced = True  # the speaker plays at 1x: the TTS keeps a lead on it
         self._rows = TranscriptFile(Path(self.output_dir).expanduser() if self.output_dir else self.ctx.run_dir)
         self._view = ConsoleView() if self.console else None
         self._player = Player(stream, rate=self.rate, block=block, on_sentence=self._sentence_playing,
@@ -234,6 +235,7 @@ class SpeakerSink(Node):
             if resample is None:
                 resample = self._resamplers[msg.turn] = StreamResampler(msg.rate, self.rate)
             player.add(msg.turn, resample(msg.pcm), msg.text)
+            self.playback.sent(msg.turn, len(msg.pcm) / msg.rate)
         if msg.end:
             resample = self._resamplers.pop(msg.turn, None)
             if resample is not None:

@@ -3,10 +3,13 @@ the chat template, tool calls written in the model's text, and the key/value cac
 turns; the turn around a generation is every LLM's (``_base.py``). A subclass loads the model
 once per process (``load_model``, through the node contract's shared resources) and implements
 ``generate`` (prompt token ids -> text pieces); each session's node keeps its own history and cache.
+Each generation holds a slot of the model's scheduler (``inference_key()``, s2s_flow/inference.py)
+from its prompt to its last token: a confirmed turn's reply goes before a speculative one's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -20,6 +23,7 @@ from nodes.llm._base import LLMBase, check_range
 from nodes.llm._conversation import Conversation, Exchange, ToolCall
 from nodes.llm._tools import forces_call
 from s2s_flow.errors import ConfigError
+from s2s_flow.inference import Cancelled, Shed
 from s2s_flow.messages import Transcript
 
 __all__ = ["LocalLLM", "SharedModel", "split_tool_calls"]
@@ -201,14 +205,37 @@ class LocalLLM(LLMBase):
         """Prefill a short exchange under the system prompt and take the first decoding steps."""
         messages = Conversation(self.conversation.system_prompt, 1)
         messages.add_user(WARMUP_TEXT, 0)
-        pieces = self.generate(self.chat_prompt(messages.messages()), threading.Event())
-        next(pieces, None)
-        pieces.close()
+        with self.inference_slot("first"):  # a session priming its cache while another generates
+            pieces = self.generate(self.chat_prompt(messages.messages()), threading.Event())
+            next(pieces, None)
+            pieces.close()
 
     def stop_reply(self) -> None:
         stop = self._stop
         if stop is not None:
             stop.set()
+
+    def _hold_slot(self, held: contextlib.ExitStack, turn: int) -> bool:
+        """Take a slot of the shared model for the whole generation (a speculative reply's is shed
+        under load: it waits for its turn's confirmation); False: the turn went stale meanwhile."""
+        stop = self._stop
+        cancelled = lambda: (self.stale(turn) or self.ctx.stopping.is_set()  # noqa: E731
+                             or (stop is not None and stop.is_set()))
+        while True:
+            try:
+                held.enter_context(self.inference_slot("first", turn=turn, cancelled=cancelled))
+            except Cancelled:  # a barge-in while another session's reply was being generated
+                self.last_reply_tokens, self.last_stop = 0, "interrupted"
+                return False
+            except Shed as shed:
+                self.ctx.log.debug("turn %d: %s; waiting for its confirmation", turn, shed)
+                if not self.ctx.work.wait_confirmed(turn, cancelled):
+                    return False
+                continue
+            if cancelled():
+                self.last_reply_tokens, self.last_stop = 0, "interrupted"
+                return False
+            return True
 
     # -- the prompt cache: the backend trims and makes caches, the rest is shared ---------
 
@@ -246,18 +273,22 @@ class LocalLLM(LLMBase):
             self._stop, self._turn = None, None
             return
         start = time.monotonic()
-        generation = self.generate(prompt_ids, self._stop)
-        try:
-            pieces: Iterable[str] = generation
-            if self.enable_thinking:
-                pieces = _without_thinking(generation, opened=self._prompt_opens_thinking)
-            if self.toolbox:
-                opened = self.call_prefill(tool_choice)[1] if forces_call(tool_choice) else None
-                pieces = split_tool_calls(pieces, opened=opened, new_id=lambda: self.toolbox.new_id(turn))
-            yield from pieces
-        finally:
-            generation.close()  # stops the generation now, whichever way the reply ended
-            self._stop, self._turn = None, None
+        with contextlib.ExitStack() as held:
+            if not self._hold_slot(held, turn):
+                self._stop, self._turn = None, None
+                return
+            generation = self.generate(prompt_ids, self._stop)
+            try:
+                pieces: Iterable[str] = generation
+                if self.enable_thinking:
+                    pieces = _without_thinking(generation, opened=self._prompt_opens_thinking)
+                if self.toolbox:
+                    opened = self.call_prefill(tool_choice)[1] if forces_call(tool_choice) else None
+                    pieces = split_tool_calls(pieces, opened=opened, new_id=lambda: self.toolbox.new_id(turn))
+                yield from pieces
+            finally:
+                generation.close()  # stops the generation now, whichever way the reply ended
+                self._stop, self._turn = None, None
         self.ctx.log.debug(
             "turn %d: %d prompt tokens (%d from the cache), %d generated in %.2f s (%s)",
             turn, len(prompt_ids), self.last_prompt_reused, self.last_reply_tokens, time.monotonic() - start,

@@ -2,7 +2,8 @@
 
 ``mlx_lm.stream_generate`` runs on the node's own thread, one token per step, so a barge-in
 flag is read between tokens and closing the reply closes the generation: no helper thread.
-The weights are loaded and warmed up once per process; the sessions take turns generating.
+The weights are loaded and warmed up once per process; the sessions take turns generating, a
+confirmed turn's reply before a speculative one's (the model's scheduler, one slot).
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ from s2s_flow.node import require
 
 __all__ = ["MLXLLM"]
 
-#: held by a generation from its prompt to its last token: one at a time in the process
-_GENERATING = threading.Lock()
-
-
 class MLXLLM(LocalLLM):
     """``mlx_lm.stream_generate`` with a sampler from ``make_sampler`` (temperature 0: greedy)."""
 
@@ -34,10 +31,13 @@ class MLXLLM(LocalLLM):
     # The sampler, the prompt cache and the history are per session; the model and tokenizer
     # (whose streaming detokenizer mlx-lm copies for each generation) are shared.
     shared_safety = ("locked: one generation at a time in the process (MLX's Metal/CPU streams are not known "
-                     "to be safe across threads); the others wait for its last token")
+                     "to be safe across threads): its scheduler's single slot, held to the last token")
 
     def shared_key(self) -> tuple:
         return (self.model,)
+
+    def inference_key(self) -> str:
+        return f"mlx:{self.model}"  # one slot (the default): one generation at a time
 
     def setup(self) -> None:
         ensure_installed("mlx", "mlx_lm", extra="mlx")
@@ -76,16 +76,6 @@ class MLXLLM(LocalLLM):
         return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
 
     def generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
-        while not _GENERATING.acquire(timeout=0.05):  # another session's reply is being generated
-            if stop.is_set() or self.ctx.stopping.is_set():
-                self.last_reply_tokens, self.last_stop = 0, "interrupted"
-                return
-        try:
-            yield from self._generate(prompt_ids, stop)
-        finally:
-            _GENERATING.release()
-
-    def _generate(self, prompt_ids: list[int], stop: threading.Event) -> Generator[str, None, None]:
         if self.seed is not None:
             self._mx.random.seed(self.seed)
         cache, keep = self.reusable_cache(prompt_ids)

@@ -12,6 +12,7 @@ them from its own thread, with its own key/value cache.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -57,6 +58,17 @@ class TransformersLLM(LocalLLM):
 
     def shared_key(self) -> tuple:
         return (self.model, self.device, self.dtype)
+
+    def inference_key(self) -> str:
+        return f"transformers:{self.model}:{self.device}"
+
+    def inference_slots(self) -> int:
+        """Generations at once: one per core (each one's matmuls take torch's whole pool; more at
+        once only split it), so a speculative reply waits behind confirmed ones on a full machine."""
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
 
     def setup(self) -> None:
         ensure_installed("torch", "transformers", extra="transformers")

@@ -7,6 +7,10 @@ same audio) is answered at once from it, and a longer utterance from the same st
 its new tail decoded, after the pause that ended the remembered part (``prefix_reuse``). So
 the decoding happens at the pauses, while the user may still be speaking, and the turn's end
 leaves at most the last stretch of speech to decode.
+
+Every decode runs in a slot of the backend's shared model (``inference_key()``, the node contract):
+a confirmed turn's as ``first`` work, a speculative one's as ``speculative`` work, which is shed
+under load (the confirmation is decoded then).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 from nodes._http import RemoteError
 from nodes._live import turn_failed
 from s2s_flow.audio import resample
+from s2s_flow.inference import Shed
 from s2s_flow.messages import Speech, Transcript
 from s2s_flow.node import Node
 
@@ -77,6 +82,9 @@ class UtteranceSTT(Node):
             return
         try:
             text, language = self._decode(msg, audio)
+        except Shed as shed:  # a speculative decode under load: the confirmation is decoded instead
+            self.ctx.log.debug("turn %d: %s", msg.turn, shed)
+            return
         except RemoteError as exc:  # live: the turn has no transcript, the session goes on
             if msg.speculative and self.ctx.live:  # its confirmation asks again, and tells if it fails
                 self.ctx.log.warning("turn %d: the early transcript failed: %s", msg.turn, exc)
@@ -98,10 +106,12 @@ class UtteranceSTT(Node):
         elif (same and last is not None and self.prefix_reuse and last.text
               and last.samples >= MIN_PREFIX_S * self.input_rate
               and len(audio) - last.samples >= MIN_TAIL_S * self.input_rate):
-            tail, language = self.transcribe_after(audio[last.samples:], last.text)
+            with self.inference_slot("speculative" if msg.speculative else "first", turn=msg.turn):
+                tail, language = self.transcribe_after(audio[last.samples:], last.text)
             text = f"{last.text} {tail}".strip() if tail else last.text
         else:
-            text, language = self.transcribe_speech(msg, audio)
+            with self.inference_slot("speculative" if msg.speculative else "first", turn=msg.turn):
+                text, language = self.transcribe_speech(msg, audio)
         # remembered while the user may go on (a speculative utterance), forgotten once it is over
         self._last = _Decoded(msg.start, len(audio), text, language) if msg.speculative else None
         return text, language

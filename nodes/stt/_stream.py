@@ -25,6 +25,7 @@ import numpy as np
 
 from s2s_flow.audio import resample
 from s2s_flow.errors import ConfigError
+from s2s_flow.inference import Shed
 from s2s_flow.messages import Message, Speech, SpeechSoFar, Transcript
 
 from ._base import UtteranceSTT
@@ -255,7 +256,10 @@ class StreamingSTT(UtteranceSTT):
 
         def decode() -> list[Word] | None:
             try:
-                return self.hypothesis(audio, cut, prompt)
+                with self.inference_slot("partial", turn=msg.turn):
+                    return self.hypothesis(audio, cut, prompt)
+            except Shed:  # the model is busy with confirmed work: this hypothesis is skipped
+                return None
             finally:
                 self._schedule.done(now, self.clock())
 

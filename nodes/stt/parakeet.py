@@ -80,6 +80,9 @@ class ParakeetSTT(UtteranceSTT):
     def shared_key(self) -> tuple:
         return (self.backend, self.model, self.device, self.dtype)
 
+    def inference_key(self) -> str:
+        return f"parakeet:{self.model}:{self.backend}:{self.device}"  # one at a time (_TRANSCRIBING)
+
     def load_shared(self) -> Callable[[np.ndarray], str]:
         """The transcribing function (a closure over the model), warmed up."""
         self.ctx.progress(f"loading {self.model} ({self.backend})")

@@ -20,6 +20,7 @@ import numpy as np
 from s2s_flow.audio import resample
 from s2s_flow.errors import ConfigError
 from s2s_flow.graph import load_class
+from s2s_flow.inference import Shed
 from s2s_flow.messages import AudioChunk, Message, Speech, SpeechStarted, Transcript
 from s2s_flow.node import Context, Node
 
@@ -63,7 +64,8 @@ class PartialTranscriber(Node):
         if self._stt is None:
             return
         ctx = self.ctx
-        self._stt.ctx = Context(f"{ctx.name}.stt", ctx.run_dir, stopping=ctx.stopping, progress=ctx.progress)
+        self._stt.ctx = Context(f"{ctx.name}.stt", ctx.run_dir, stopping=ctx.stopping, progress=ctx.progress,
+                                run_state=ctx.run_state)  # the session's: its schedulers' side too
         self._stt.setup()
 
     def process(self, port: str, msg: Message) -> Iterator[Transcript]:
@@ -94,7 +96,11 @@ class PartialTranscriber(Node):
         skip = max(0, round((self._start - chunks[0].start) * rate))  # the speech starts inside the first
         pcm = np.concatenate([c.pcm for c in chunks])[skip:]
         audio = resample(pcm, rate, getattr(self._stt, "input_rate", rate))
-        text, language = self._stt.transcribe(audio)
+        try:  # in a slot of the shared model, after every confirmed turn's work
+            with self._stt.inference_slot("partial", turn=turn):
+                text, language = self._stt.transcribe(audio)
+        except Shed:  # under load: this partial is skipped
+            text, language = self._last, None
         self._due = time.monotonic() + self.interval_s  # from the end: a busy STT is skipped, not queued
         if text and text != self._last:
             self._last = text

@@ -168,6 +168,12 @@ class WhisperSTT(StreamingSTT):
     def shared_key(self) -> tuple:
         return (self.model, self.compute_type, self.cpu_threads, self.device, self._workers)
 
+    def inference_key(self) -> str:
+        return f"whisper:{os.path.basename(str(self.model).rstrip('/'))}:{self.compute_type}:{self.device}"
+
+    def inference_slots(self) -> int:
+        return self._workers
+
     @property
     def _workers(self) -> int:
         """CTranslate2 workers: with stt.stream_ms a decode of the growing utterance may still run

@@ -74,6 +74,9 @@ class WhisperHFSTT(UtteranceSTT):
     def shared_key(self) -> tuple:
         return (self.model, self.device, self.dtype)
 
+    def inference_key(self) -> str:
+        return f"whisper-hf:{self.model}:{self.device}"
+
     def load_shared(self) -> _SharedWhisper:
         torch = require("torch", "whisper-hf")
         transformers = require("transformers", "whisper-hf")

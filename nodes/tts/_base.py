@@ -13,11 +13,19 @@ clause ends where it has them: a neural voice's working memory grows with the te
 (Piper: about 4.7 MB per word, measured), so a server's concurrent sessions stay bounded.
 The first text of each reply sent to synthesis is a ``tts_start`` trace event: where the
 LLM's part of the critical path ends and the TTS's begins (s2s_flow/metrics.py).
+
+Shared voices (many sessions, one model): each chunk is made in a slot of the voice's scheduler
+(s2s_flow/inference.py, the backend's ``inference_key()``), a reply's first clause as ``first``
+work, its later sentences as ``later`` work due when the listener runs out of audio, and with a
+sink that plays at the listener's pace (nodes/_playback.py) no further ahead than ``lead_s`` of
+what was played: the voice stays free for other sessions' first clauses. A speculative reply's
+work that is shed waits for its turn's confirmation, then goes on as confirmed work.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -25,8 +33,10 @@ import numpy as np
 
 from nodes._http import RemoteError
 from nodes._live import turn_failed
+from nodes._playback import playback_of
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
+from s2s_flow.inference import Cancelled, Shed
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node, Voiced
 
@@ -105,7 +115,8 @@ class SentenceTTS(Node, Voiced):
     max_chunk_s: ClassVar[float] = 0.5
 
     def __init__(self, *, sample_rate: int | None = None, first_clause_words: int = 0,
-                 first_clause_max_words: int = 0, max_words: int = 0, threads: int | str = 0) -> None:
+                 first_clause_max_words: int = 0, max_words: int = 0, threads: int | str = 0,
+                 lead_s: float = 1.5) -> None:
         if sample_rate is not None and not 8000 <= sample_rate <= 192_000:
             raise ConfigError(
                 f"tts.sample_rate={sample_rate} is not a usable audio rate: give a rate in Hz "
@@ -125,6 +136,9 @@ class SentenceTTS(Node, Voiced):
         if max_words < 0:
             raise ConfigError(f"tts.max_words={max_words} must be >= 0: the most words synthesized at once, a "
                               "longer sentence being spoken in pieces (0: whole sentences; e.g. 12).")
+        if lead_s < 0:
+            raise ConfigError(f"tts.lead_s={lead_s} must be >= 0: the seconds of a reply made ahead of what the "
+                              "listener has played (e.g. 1.5; 0: every sentence as soon as its text is there).")
         from nodes._calibrate import check_threads
 
         check_threads(threads, "tts.threads", "CPU threads of the synthesizer's own pool; 0: one per core")
@@ -143,6 +157,9 @@ class SentenceTTS(Node, Voiced):
         self._cut_turn = -1  # turns below this were interrupted
         self.speaking_turn = 0  # turn of the sentence being synthesized
         self._started_turn: int | None = None  # the last reply whose first text went to synthesis
+        #: seconds of a reply made ahead of what the listener has played (paced sinks only; 0: off)
+        self.lead_s = float(lead_s)
+        self._made_s = 0.0  # audio of the reply being spoken made so far (seconds)
         self._failed_turn: int | None = None  # a live reply whose endpoint failed: the rest goes unspoken
 
     # -- what a backend implements -------------------------------------------------------
@@ -222,6 +239,7 @@ class SentenceTTS(Node, Voiced):
     def on_interrupt(self, turn: int) -> None:
         self._cut_turn = max(self._cut_turn, turn)
         self.cancel_synthesis()
+        playback_of(self.ctx).wake()  # a reply waiting for its listener stops waiting
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -239,6 +257,7 @@ class SentenceTTS(Node, Voiced):
         self.speaking_turn = turn
         if self._started_turn != turn:  # the reply's first words: the LLM's part ends here
             self._started_turn = turn
+            self._made_s = 0.0
             self.ctx.record("tts_start", turn=turn, words=len(sentence.split()))
         if self._failed_turn == turn:
             return
@@ -254,11 +273,12 @@ class SentenceTTS(Node, Voiced):
         resample: StreamResampler | None = None  # one for the sentence: its pieces join seamlessly
         text = sentence
         for text in in_pieces(sentence, self.max_words):
+            kind, deadline = self._schedule(turn)
             if self.interrupted(turn):
                 return
-            stream = self.synthesize(text)
+            stream = iter(self.synthesize(text))
             try:
-                for pcm in stream:
+                while (pcm := self._made_in_slot(stream, kind, turn, deadline)) is not _END:
                     if self.interrupted(turn):
                         return
                     if resample is None:  # made at the first audio: a remote voice reports its rate late
@@ -272,7 +292,38 @@ class SentenceTTS(Node, Voiced):
         if resample is not None and not self.interrupted(turn):
             yield from self._chunks(resample.flush(), rate_out, text, turn)
 
+    def _schedule(self, turn: int) -> tuple[str, float | None]:
+        """The kind and deadline of the reply's next piece: its first is ``first`` work; a later one
+        waits until the listener is within ``lead_s`` of it (a paced sink), then is due when the
+        listener will have heard what was made before it."""
+        if self._made_s == 0.0:
+            return "first", None
+        playback = playback_of(self.ctx)
+        if not playback.paced:
+            return "later", None
+        if self.lead_s and self._made_s > self.lead_s:
+            playback.wait_played(turn, self._made_s - self.lead_s,
+                                 cancelled=lambda: self.interrupted(turn) or self.ctx.stopping.is_set())
+        return "later", time.monotonic() + max(0.0, self._made_s - playback.played_s(turn))
+
+    def _made_in_slot(self, stream: Iterator[np.ndarray], kind: str, turn: int, deadline: float | None) -> Any:
+        """The engine's next chunk, made in a slot of the shared voice (``_END`` after the last). A
+        speculative reply's chunk that was shed waits for the turn's confirmation (or its withdrawal)."""
+        while True:
+            try:
+                with self.inference_slot(kind, turn=turn, deadline=deadline,
+                                         cancelled=lambda: self.interrupted(turn)):
+                    return next(stream, _END)
+            except Cancelled:  # a barge-in while it waited
+                return _END
+            except Shed as shed:
+                self.ctx.log.debug("turn %d: %s; waiting for its confirmation", turn, shed)
+                if not self.ctx.work.wait_confirmed(
+                        turn, cancelled=lambda: self.interrupted(turn) or self.ctx.stopping.is_set()):
+                    return _END
+
     def _chunks(self, audio: np.ndarray, rate: int, sentence: str, turn: int) -> Iterator[AudioOut]:
+        self._made_s += len(audio) / rate
         step = max(1, int(self.max_chunk_s * rate))
         for start in range(0, len(audio), step):
             yield AudioOut(turn=turn, pcm=np.ascontiguousarray(audio[start : start + step]), rate=rate,

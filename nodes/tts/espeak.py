@@ -130,10 +130,10 @@ class EspeakTTS(SentenceTTS):
 
     def __init__(self, *, voice: str = "en-us", rate: int = 175, pitch: int = 50,
                  sample_rate: int | None = None, first_clause_words: int = 0, first_clause_max_words: int = 0,
-                 max_words: int = 0, threads: int | str = 0) -> None:
+                 max_words: int = 0, threads: int | str = 0, lead_s: float = 1.5) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads)
+                         threads=threads, lead_s=lead_s)
         if not 80 <= rate <= 450:
             raise ConfigError(f"tts.rate={rate}: espeak-ng speaks 80 to 450 words per minute; "
                               "pick one in that range (default 175).")
@@ -143,6 +143,9 @@ class EspeakTTS(SentenceTTS):
             raise ConfigError("tts.voice is empty: name an espeak-ng voice, e.g. tts.voice=en-us.")
         self.voice, self.rate, self.pitch = voice, rate, pitch
         self._rate = 22050
+
+    def inference_key(self) -> str:
+        return "espeak-ng"  # one engine per process, one call at a time
 
     @property
     def native_rate(self) -> int:

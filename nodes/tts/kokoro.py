@@ -45,10 +45,11 @@ class KokoroTTS(SentenceTTS):
         first_clause_max_words: int = 0,
         max_words: int = 0,
         threads: int | str = 0,
+        lead_s: float = 1.5,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads)
+                         threads=threads, lead_s=lead_s)
         if lang_code not in _LANG_CODES or len(lang_code) != 1:
             raise ConfigError(f"tts.lang_code={lang_code!r}: Kokoro knows a (US English), b (UK English), "
                               "e, f, h, i, j, p, z; a voice's first letter names its language (af_heart: a).")
@@ -75,6 +76,9 @@ class KokoroTTS(SentenceTTS):
 
     def shared_key(self) -> tuple:
         return (self.model, self.lang_code, self.device)
+
+    def inference_key(self) -> str:
+        return f"kokoro:{self.model}:{self.device}"  # one chunk at a time: the default single slot
 
     def load_shared(self) -> Any:
         # everything it needs from here: a server preloads the pipeline without a setup()

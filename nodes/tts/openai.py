@@ -107,10 +107,11 @@ class OpenAITTS(SentenceTTS):
         first_clause_max_words: int = 0,
         max_words: int = 0,
         threads: int | str = 0,
+        lead_s: float = 1.5,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads)
+                         threads=threads, lead_s=lead_s)
         if response_format not in _FORMATS:
             raise ConfigError(f"tts.response_format={response_format!r}: choose pcm (raw 16-bit, lowest "
                               "latency) or wav (the server's own rate is read from the header).")

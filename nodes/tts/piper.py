@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from nodes._calibrate import AUTO, budget, calibrate
-from nodes.tts._base import SentenceTTS, in_turn
+from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
@@ -22,19 +21,18 @@ __all__ = ["PiperTTS", "SharedVoice"]
 
 class SharedVoice:
     """What every session of the process shares: the voice (an ONNX session and its config),
-    warmed up once, and the slots of its syntheses. At most ``slots`` run at once, one per
-    ``threads``-wide share of the cores: more gain nothing on a busy CPU, and onnxruntime's
-    arena grows with every synthesis that runs at the same time (memory per extra session)."""
+    warmed up once, and how many of its syntheses may run at once (``slots``, the node's
+    ``inference_slots()``: its scheduler holds the rest back): one per ``threads``-wide share of
+    the cores. More gain nothing on a busy CPU, and onnxruntime's arena grows with every synthesis
+    that runs at the same time (memory per extra session)."""
 
     def __init__(self, voice: Any, slots: int) -> None:
         self.voice, self.slots = voice, slots
         self.calibration: dict | None = None  # tts.threads=auto: the threads chosen and the times behind them
-        self._slots = threading.BoundedSemaphore(slots)
 
     def synthesize(self, text: str, syn_config: Any = None) -> Iterator[np.ndarray]:
-        """Piper's chunks (one per sentence it finds), each made in a slot; the slot is free
-        again before the chunk is handed on, so a consumer that waits holds no one up."""
-        for chunk in in_turn(self.voice.synthesize(text, syn_config=syn_config), self._slots):
+        """Piper's chunks (one per sentence it finds); the node makes each in a slot of the voice."""
+        for chunk in self.voice.synthesize(text, syn_config=syn_config):
             yield chunk.audio_float_array
 
 
@@ -66,10 +64,11 @@ class PiperTTS(SentenceTTS):
         first_clause_max_words: int = 0,
         max_words: int = 0,
         threads: int | str = 0,
+        lead_s: float = 1.5,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads)
+                         threads=threads, lead_s=lead_s)
         if voice is not None:
             onnx = Path(voice).expanduser()
             if onnx.suffix != ".onnx" or not onnx.is_file():
@@ -112,6 +111,12 @@ class PiperTTS(SentenceTTS):
 
     def shared_key(self) -> tuple:
         return (self.voice, self.threads)
+
+    def inference_key(self) -> str:
+        return f"piper:{self.voice_name}:{self.threads}"
+
+    def inference_slots(self) -> int:
+        return self._shared.slots if self._shared is not None else 1
 
     def load_shared(self):
         # What PiperVoice.load does, with our session options: building the session once, here,

@@ -64,10 +64,11 @@ class Qwen3TTS(SentenceTTS):
         first_clause_max_words: int = 0,
         max_words: int = 0,
         threads: int | str = 0,
+        lead_s: float = 1.5,
     ) -> None:
         super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
                          first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads)
+                         threads=threads, lead_s=lead_s)
         if backend not in _BACKENDS:
             raise ConfigError(f"tts.backend={backend!r}: choose cuda (faster-qwen3-tts, NVIDIA GPU), mlx "
                               "(mlx-audio, Apple Silicon), ggml (qwentts.cpp) or auto (mlx on Apple Silicon, "
@@ -97,6 +98,10 @@ class Qwen3TTS(SentenceTTS):
     # packet to its last, as the engine keeps the stream's state between packets.
     shared_safety = ("locked: one sentence at a time in the process: the engines keep state of their own "
                      "while they stream (CUDA graphs and static caches, qwentts.cpp's context, MLX streams)")
+
+    # Not scheduled (no inference_key()): the engines keep state across a sentence's stream, so
+    # _SYNTHESIZING is held from its first chunk to its last and the sessions take whole sentences
+    # in turn; the scheduler hands out slots per chunk, which would wait on that lock.
 
     def shared_key(self) -> tuple:
         return (self.backend, self.model, self.quant)

@@ -398,7 +398,9 @@ class SileroVAD(Node, TurnSettings):
             return True
         if self._audio_p is None and self._smart_turn is not None:
             # once per pause: a longer silence only makes the model more sure
-            self._audio_p = self._smart_turn.probability(self._turn_audio())
+            # never speculative work: this decides whether the turn (speculated on or not) is over
+            with self._smart_turn.inference.slot("first", session=self.ctx.work):
+                self._audio_p = self._smart_turn.probability(self._turn_audio())
             if self._audio_p < self.turn_threshold:
                 self.ctx.log.debug("turn %d: pause, not finished by the sound (p=%.2f)", self.turn, self._audio_p)
         if self._audio_p is not None and self._audio_p < self.turn_threshold:
@@ -460,12 +462,15 @@ class SileroVAD(Node, TurnSettings):
         utt_end = self._utt_start + len(pcm)
         start = max(self._utt_start, self._speech_start - self._pad)
         end = min(utt_end, speech_end + self._pad)
-        if not speculative:
+        if speculative:
+            self.ctx.work.speculate(self.turn)  # its work is speculative, in every shared model's queue
+        else:
             self.speech_count += 1
             self._phase = _IDLE
             if self._speculated:
                 self._speculated = False
                 self.ctx.record("speculation_end", turn=self.turn, outcome="confirmed")
+                self.ctx.work.confirm(self.turn)  # what waits of it in a queue is promoted
         chunk_end = self._next_pos if self._next_pos is not None else utt_end
         return Speech(
             turn=self.turn,

