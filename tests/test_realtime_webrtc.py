@@ -291,6 +291,8 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
         out["json"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp,
                                               {**key, "Content-Type": "application/json"})
         out["nokey"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp)
+        out["foreign"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp,
+                                                 {**key, "Origin": "https://elsewhere.example"})
         out["garbage"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", "hello", key)
         audio_only = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         audio_only.addTrack(Microphone())
@@ -317,6 +319,7 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
     status, body, _ = got["json"]
     assert status == 415 and "application/sdp" in json.loads(body)["error"]["message"]
     assert got["nokey"][0] == 401
+    assert got["foreign"][0] == 403, "the server's Origin guard covers the calls route"
     assert got["garbage"][0] == 400 and "m=audio" in json.loads(got["garbage"][1])["error"]["message"]
     assert got["no_channel"][0] == 400 and "oai-events" in json.loads(got["no_channel"][1])["error"]["message"]
     assert got["ok"][0] == 201 and got["ok"][2].startswith("/v1/realtime/calls/rtc_")
