@@ -25,6 +25,9 @@ the rest; the nodes import the session, never the server):
 - ``protocol.py``: the protocol as data: session settings, one builder per server event, errors.
 - ``client_events.py``: one handler per client event.
 - ``server.py``: Starlette/uvicorn, auth, backpressure, ``/metrics``; the transport moves text.
+- ``webrtc.py``: ``/v1/realtime/calls``, the same sessions over WebRTC (aiortc): the events on the
+  ``oai-events`` data channel, the audio as Opus; ``speaker.py``: the reply's paced outgoing track;
+  ``ice.py``: the host candidates' addresses, STUN/TURN.
 - ``guard.py``: the Origin and Host checks of every route; ``drain.py``: SIGTERM, ``/healthz`` and
   ``/readyz``; ``limits.py``: a client's event rate; ``prometheus.py``: the server's ``/metrics``.
 """

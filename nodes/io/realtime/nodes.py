@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,22 @@ def _check_rate(rate: int) -> None:
         raise ConfigError(f"io.rate={rate}: the pipeline runs at the VAD's rate, 16000 (or 8000)")
 
 
+
+def _ice_servers(servers: Any) -> list[dict[str, Any]]:
+    """``io.webrtc.ice_servers``: STUN/TURN servers as the browser's RTCIceServer dicts, checked."""
+    out = []
+    for i, server in enumerate(servers or ()):
+        urls = server.get("urls") if isinstance(server, Mapping) else None
+        urls = [urls] if isinstance(urls, str) else list(urls or ())
+        if not urls or not all(isinstance(u, str) and u.split(":")[0] in ("stun", "stuns", "turn", "turns")
+                               for u in urls):
+            raise ConfigError(f"io.webrtc.ice_servers[{i}]={server!r}: each entry is {{urls: 'stun:HOST:PORT'}} or "
+                              "{urls: 'turn:HOST:PORT', username: ..., credential: ...} (urls: one or a list)")
+        if any(u.startswith("turn") for u in urls) and not (server.get("username") and server.get("credential")):
+            raise ConfigError(f"io.webrtc.ice_servers[{i}]: a TURN server needs its username and credential")
+        out.append({"urls": urls if len(urls) > 1 else urls[0], "username": server.get("username"),
+                    "credential": server.get("credential")})
+    return out
 
 def _strings(key: str, value: Any) -> list[str]:
     """A list of strings from YAML or the command line (``io.allowed_origins=[https://a.example]``)."""
@@ -78,7 +94,7 @@ class RealtimeSource(Node):
     # A client may send audio faster than real time (a file, a burst after a stall): hold it back
     # rather than drop it, as a microphone's freshest-wins ring would when the VAD falls behind.
     port_rings = {"audio": (128, "block")}
-    secret_params = frozenset({"api_key", "twilio_auth_token"})
+    secret_params = frozenset({"api_key", "twilio_auth_token", "webrtc"})  # webrtc: its TURN credentials
 
     def __init__(
         self,
@@ -97,6 +113,7 @@ class RealtimeSource(Node):
         allowed_hosts: Any = (),
         rate: int = 16000,
         chunk_ms: int = 20,
+        webrtc: Mapping[str, Any] | None = None,
         target_ms: float | None = 1000.0,
         admission: str = "refuse",
         admission_wait_s: float = 10.0,
@@ -141,6 +158,7 @@ class RealtimeSource(Node):
         self.max_queued_bytes, self.max_events_per_s = max_queued_bytes, float(max_events_per_s)
         self.drain_timeout_s = float(drain_timeout_s)
         self.rate, self.chunk_ms = rate, chunk_ms
+        self.ice_servers = _ice_servers((webrtc or {}).get("ice_servers"))
         self.target_ms, self.admission, self.admission_wait_s = target_ms, admission, admission_wait_s
         self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions
         self.twilio_auth_token = twilio_auth_token or os.environ.get(TWILIO_TOKEN_ENV) or None
@@ -151,7 +169,7 @@ class RealtimeSource(Node):
         """Where clients connect (shown by dry_run=true)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return (f"ws://{host}:{self.port}/v1/realtime (page: http://{host}:{self.port}/, Twilio Media Streams: "
-                f"ws://{host}:{self.port}/v1/twilio)")
+                f"ws://{host}:{self.port}/v1/twilio, WebRTC: POST http://{host}:{self.port}/v1/realtime/calls)")
 
     def port_rate(self, port: str) -> int | None:
         return self.rate if port == "audio" else None

@@ -1,6 +1,7 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
-Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/twilio`` (a phone call through
+Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same
+sessions over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through
 Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
 sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
 client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route
@@ -89,6 +90,7 @@ class ServerOptions(Protocol):
     drain_timeout_s: float
     allowed_origins: list[str]
     allowed_hosts: list[str]
+    ice_servers: list[dict[str, Any]]
     twilio_voice: str | None
     twilio_instructions: str | None
     twilio_auth_token: str | None
@@ -200,6 +202,10 @@ class RealtimeServer:
         from starlette.responses import HTMLResponse, Response
         from starlette.routing import Route
 
+        from nodes.io.realtime.webrtc import WebRTCCalls
+
+        calls = self.calls = WebRTCCalls(self, _Connection)
+
         async def page(request: Any) -> Any:
             return HTMLResponse(PAGE.read_text(encoding="utf-8") if PAGE.is_file() else "<p>s2s-flow</p>")
 
@@ -209,6 +215,8 @@ class RealtimeServer:
         from starlette.websockets import WebSocket
 
         site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
+                                 Route("/v1/realtime/calls", calls.create, methods=["POST"]),
+                                 Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"]),
                                  *self.drain.routes(lambda: self.open, self.options.max_sessions)])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -268,18 +276,26 @@ class RealtimeServer:
                 "session_limit_reached", self.admission.explain(refused), type="server_error")))
             await ws.close(code=1008, reason="session_limit_reached")
             return
+        connection = _Connection(self, ws, send)
+        self.admit(connection)
+        try:
+            await connection.serve()
+        finally:
+            self.release(connection)
+
+    def admit(self, connection: Any) -> None:
+        """A session begins (a WebSocket's, or a WebRTC call's): counted, drained on SIGTERM, and open
+        until released."""
         self.open += 1
         self.sessions_run += 1
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
-        connection = _Connection(self, ws, send)
         self.sessions[connection.session.id] = connection.session
         self.drain.add(connection)
-        try:
-            await connection.serve()
-        finally:
-            self.drain.remove(connection)
-            del self.sessions[connection.session.id]
+
+    def release(self, connection: Any) -> None:
+        self.drain.remove(connection)
+        if self.sessions.pop(connection.session.id, None) is not None:
             self.open -= 1
             self.metrics.sessions.dec()
             self.admission.closed()
