@@ -96,7 +96,11 @@ def test_two_processes_behind_haproxy_spread_drain_and_survive_a_kill(tmp_path, 
             a = stack.enter_context(realtime_process(tmp_path / "a", *common, port=ports[0]))
             b = stack.enter_context(realtime_process(tmp_path / "b", *common, port=ports[1]))
             url, stats = stack.enter_context(haproxy(ports, tmp_path))
-            until(lambda: states(stats) == {"s1": "UP", "s2": "UP"}, timeout=60, what="both servers up")
+            until(lambda: (a.ready(), b.ready()) == (200, 200), timeout=120,
+                  what=lambda: f"both processes ready: /readyz {a.ready()}, {b.ready()}")
+            until(lambda: states(stats) == {"s1": "UP", "s2": "UP"}, timeout=60,
+                  what=lambda: f"HAProxy to see both up: it sees {states(stats)}; its log: "
+                               f"{(tmp_path / 'haproxy.log').read_text(errors='replace')[-2000:]}")
 
             # six sessions, spread by least connections
             clients = [connect(stack, url) for _ in range(6)]
