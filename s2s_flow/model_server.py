@@ -485,5 +485,8 @@ def _say(console: Any, text: str) -> None:
 def _write_info(run_dir: Path, handle: ServerHandle) -> None:
     with contextlib.suppress(OSError):
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "server.json").write_text(json.dumps(handle.info(), indent=2) + "\n")
+        # rewritten on every restart: written beside and renamed, so a reader never sees half a file
+        part = run_dir / "server.json.part"
+        part.write_text(json.dumps(handle.info(), indent=2) + "\n")
+        part.replace(run_dir / "server.json")
 

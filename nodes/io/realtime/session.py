@@ -71,6 +71,7 @@ class Session(NodeHooks):
         self._holds: dict[int, bool] = {}
         self._replying: set[int] = set()  # user turns whose reply is not done (a barge-in cuts them)
         self._awaiting: set[int] = set()  # spoken turns committed, answered by themselves, no response yet
+        self._unheard: set[int] = set()  # turns whose STT failed (maybe before the VAD's commit reached us)
         self._heard: dict[int, str] = {}  # per spoken turn: its transcript (a turn held late needs it)
         self._speech_end: dict[int, float] = {}  # per user turn: when its speech really ended
         self._seconds: dict[int, float] = {}  # per user turn: how long its audio is (the transcript's usage)
@@ -135,8 +136,8 @@ class Session(NodeHooks):
             self._speech_end[turn] = speech.speech_end_t
             self._seconds[turn] = speech.end - speech.start
             trim(self._speech_end, self._seconds)
-            if not self.holds(turn) and turn not in self.responses:  # its reply is on its way: a
-                self._awaiting.add(turn)  # response.create now is refused
+            if not self.holds(turn) and turn not in self.responses and turn not in self._unheard:
+                self._awaiting.add(turn)  # its reply is on its way: a response.create now is refused
         self.send(events.speech_stopped(item_id, round(end_s * 1000)))
         self._committed(item_id)
         return item_id
@@ -387,6 +388,7 @@ class Session(NodeHooks):
             with self.lock:
                 self._replying.discard(turn)  # no reply is waited for, nor refuses a response.create
                 self._awaiting.discard(turn)
+                self._unheard = {t for t in self._unheard if t > turn - 16} | {turn}  # a commit still on its way
             self.send(events.transcription_failed(item_id, message))
         if self.observe is not None:
             self.observe("stage_failed", stage)
