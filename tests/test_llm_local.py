@@ -546,3 +546,21 @@ def test_bad_options_are_one_paragraph_naming_the_option(override, named):
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2
     assert named in out.stderr and "Traceback" not in out.stderr
+
+
+def test_mlx_leaves_the_processs_open_file_limit_as_it_found_it():
+    """mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096) at import: a server's connections would share
+    2048 descriptors. Run in a fresh interpreter (an imported mlx_lm does not run its import again)."""
+    code = ("import resource, sys\n"
+            "from nodes.llm.mlx import MLXLLM\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (3000, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "before = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "node = MLXLLM.__new__(MLXLLM)\n"
+            "node.temperature, node.top_p = 0.0, 1.0\n"
+            "node._import()\n"
+            "assert 'mlx_lm.utils' in sys.modules\n"
+            "print(before, resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+            "sys.exit(resource.getrlimit(resource.RLIMIT_NOFILE)[0] != before[0])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -8,6 +8,8 @@ confirmed turn's reply before a speculative one's (the model's scheduler, one sl
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import threading
 from collections.abc import Generator
 from pathlib import Path
@@ -49,7 +51,16 @@ class MLXLLM(LocalLLM):
         """mlx-lm and this session's sampler: in setup(), or in load_shared() when a server
         preloads the model without a setup()."""
         self._mx = require("mlx.core", "mlx")
+        # mlx_lm.utils sets the process's open-file limit to (2048, 4096) at import, lowering it for
+        # a server's every connection: the limit found is put back
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)
         self._mlx_lm = require("mlx_lm", "mlx")
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+        except (ValueError, OSError):  # without privileges a lowered hard limit stays: its soft one, then
+            with contextlib.suppress(ValueError, OSError):
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit[0], hard), hard))
         self._caches = require("mlx_lm.models.cache", "mlx")  # the prompt cache kept between turns
         sample_utils = require("mlx_lm.sample_utils", "mlx")
         # top_p=0 is mlx-lm's "off"; 1.0 keeps every token anyway
