@@ -225,6 +225,27 @@ def test_the_gate_drops_a_withdrawn_turn_and_passes_turns_that_were_never_specul
     assert [m for m in [_speech_msg(5, False), *reply] for m in gate.process(_port(m), m)] == reply
 
 
+def test_a_confirmed_transcript_after_the_released_reply_starts_no_second_row(tmp_path):
+    """The gate releases a confirmed turn's reply in one burst: the sink's row can be complete (its
+    words from the speculative transcript) before STT's confirmed transcript of the turn arrives.
+    That late transcript must not start a second, empty row of the same turn."""
+    from nodes.io.wav import WavSink
+
+    sink = WavSink()
+    sink.ctx = Context("sink", tmp_path)
+    sink.ctx.conversation = "c"
+    sink.ctx.inputs_connected = frozenset({"audio", "user", "agent"})
+    sink.setup()
+    sink.process("user", Transcript(turn=1, text="What is the capital?", speculative=True))
+    for m in _reply(1):
+        sink.process(_port(m), m)
+    sink.process("user", Transcript(turn=1, text="What is the capital?"))
+    sink.finish()
+    sink.close()
+    rows = [json.loads(line) for line in (tmp_path / "transcript.jsonl").read_text().splitlines()]
+    assert [(r["turn"], r["user"], r["interrupted"]) for r in rows] == [(1, "What is the capital?", False)]
+
+
 # -- the LLM ------------------------------------------------------------------------------------
 
 

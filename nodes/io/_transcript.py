@@ -52,16 +52,26 @@ def check_output_dir(output_dir: str | None) -> None:
 
 class TranscriptFile:
     """``<dir>/transcript.jsonl``, appended one row per turn and flushed per row, so a stopped
-    run keeps every turn already finished."""
+    run keeps every turn already finished.
+
+    A row is final once written: a message of its turn that comes later (the confirmed transcript
+    of a speculative turn, after the reply the gate released in one burst was already complete) is
+    one a sink must not start a second row with; :meth:`written` says so."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / "transcript.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._written: set[tuple[str, int]] = set()
 
     def write(self, row: dict[str, Any]) -> None:
+        self._written.add((row["conversation"], row["turn"]))
         self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
         self._file.flush()
+
+    def written(self, conversation: str, turn: int) -> bool:
+        """Whether this turn's row is already out."""
+        return (conversation, turn) in self._written
 
     def close(self) -> None:
         self._file.close()

@@ -244,6 +244,8 @@ class SpeakerSink(Node):
 
     def _words(self, player: Player, msg: Message) -> None:
         with self._lock:
+            if self._rows is not None and self._rows.written(self.ctx.conversation or "conversation", msg.turn):
+                return  # late words of a turn whose row is out
             text = self._texts.setdefault(msg.turn, TurnText())
             text.note(msg)
         if isinstance(msg, Transcript) and self._view is not None:

@@ -194,6 +194,9 @@ class WavSink(Node):
             # transcript does, and its row takes the words from here
             self._heard[msg.turn] = msg.text  # type: ignore[attr-defined]
             return
+        assert self._rows is not None
+        if self._rows.written(self.ctx.conversation or "conversation", msg.turn):
+            return  # late words of a turn whose row is out (its reply was complete first)
         turn = self._turns.setdefault(msg.turn, _Turn())
         if isinstance(msg, AudioOut):
             if len(msg.pcm):
