@@ -329,12 +329,13 @@ def test_an_image_is_refused_clearly_naming_llm_vision_and_its_item_is_not_half_
             item = {"type": "message", "role": "user", "id": "item_img",
                     "content": [{"type": "input_text", "text": "What is in this picture?"}, image]}
             await conn.conversation.item.create(item=item, event_id="evt_img")
-            img = await until_type(conn, "error")
+            img = await until_type(conn, "error", "conversation.item.done")
             await conn.conversation.item.retrieve(item_id="item_img")
             gone = await until_type(conn, "error", "conversation.item.retrieved")
             return img, gone
 
     img, gone = run(talk())
+    assert img.type == "error", "the item was added"
     assert (img.error.code, img.error.event_id) == ("invalid_value", "evt_img")
     assert img.error.param == "item.content[1]" and "image" in img.error.message
     assert "llm.vision" in img.error.message, "the error names the setting that makes images go through"
@@ -361,6 +362,7 @@ def test_with_llm_vision_an_image_goes_to_the_model_as_an_image_url_part_and_a_r
             await conn.response.create(response=TEXT)
             seen: list[Any] = []
             failed = await until_type(conn, "response.done", events=seen)
+            seen.append(await conn.recv())  # the stage's failure, told once its response has ended
             request = proxy.bodies("/chat/completions", since)
             await conn.conversation.item.delete(item_id="item_img")
             await until_type(conn, "conversation.item.deleted")
@@ -382,7 +384,7 @@ def test_with_llm_vision_an_image_goes_to_the_model_as_an_image_url_part_and_a_r
     errors = [e.error for e in seen if e.type == "error"]
     assert errors and errors[0].code == "llm_failed", [e.type for e in seen]
     assert "takes no images" in errors[0].message and "mmproj" in errors[0].message, errors[0].message
-    assert failed.response.status == "failed"
+    assert failed.response.status == "failed" and "takes no images" in failed.response.status_details.error.message
     assert later.type == "response.done" and later.response.status == "completed", later
     assert later.response.output[0].content[0].text.strip()
 
