@@ -79,6 +79,7 @@ def test_the_browser_app_talks_over_webrtc_and_websocket_and_says_what_went_wron
     for transport in ("websocket", "webrtc"):
         full = steps[f"full_{transport}"]["shown"]
         assert full["error"] and "session_limit_reached" in full["error"], full
+        assert full["state"].startswith("Not connected: the server"), full  # not left as if connected
         wrong = steps[f"wrongkey_{transport}"]["shown"]
         assert wrong["error"] and "API key" in wrong["error"], wrong
     assert "invalid_api_key" in steps["wrongkey_webrtc"]["shown"]["error"]  # the call's 401, in the server's words

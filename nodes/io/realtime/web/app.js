@@ -13,7 +13,7 @@ const LOUD = 0.004;  // a reply's first sound: a block of the remote track above
 
 const app = window.s2s = {
   state: "idle", transport: null, events: 0, errors: [], shownErrors: [], levelMax: 0, levelBlocks: 0,
-  userTranscripts: [], agentTranscripts: [], userDeltas: 0, agentDeltas: 0, v2v: [], sessions: [],
+  userTranscripts: [], agentTranscripts: [], playedSamples: 0, userDeltas: 0, agentDeltas: 0, v2v: [], turns: [], sessions: [],
 };
 const stored = JSON.parse(localStorage.getItem("s2s-settings") || "{}");  // voice, instructions, transport: not the key
 
@@ -26,7 +26,14 @@ function setState(kind, text) {
   const live = kind === "connecting" || kind === "live";
   $("start").textContent = live ? "Stop" : "Start talking";
   $("start").classList.toggle("primary", !live);
+  $("start").classList.toggle("stop", live);
+  if (kind !== "live") speaking(null);
   $("typed-text").disabled = $("typed-send").disabled = kind !== "live";
+}
+
+function speaking(on) {  // the server's voice detector: null when not connected
+  $("speaking").classList.toggle("on", Boolean(on));
+  $("speaking").textContent = on == null ? "not connected" : on ? "you are speaking" : "listening";
 }
 
 function showError(title, detail) {
@@ -75,7 +82,7 @@ function showSession(session) {
   app.sessions.push({ voice, instructions: session.instructions });
   const names = new Set([voice, ...OPENAI_VOICES].filter(Boolean));
   $("voices").replaceChildren(...[...names].map((n) => Object.assign(document.createElement("option"), { value: n })));
-  $("voice").placeholder = voice ? `${voice} (the server's)` : "the server's own";
+  $("voice").placeholder = voice || "the server's own";
   if (!$("instructions").value) $("instructions").placeholder = session.instructions || "the server's own system prompt";
   $("applied").textContent = `In effect: voice ${voice || "the server's"}; instructions ` +
     (session.instructions ? `“${session.instructions.slice(0, 80)}${session.instructions.length > 80 ? "…" : ""}”` : "the server's");
@@ -109,9 +116,11 @@ function firstSound(at) {  // the link played a reply's first sound, at performa
   r.heard = true;
   if (!r.bubble) r.bubble = bubble("agent");
   if (!r.turn || r.turn.speechEnd == null) { r.bubble.meta.textContent = "typed: no voice-to-voice"; return; }
-  const ms = Math.round(at - r.turn.speechEnd);
+  const ms = Math.round(at - r.turn.speechEnd), told = Math.round(r.turn.toldAt - r.turn.speechEnd);
   app.v2v.push(ms);
+  app.turns.push({ v2v: ms, told });
   r.bubble.meta.textContent = `voice-to-voice ${ms} ms`;
+  r.bubble.meta.title = `the server's detector said you stopped ${told} ms after your speech ended`;
   r.bubble.meta.classList.add("v2v");
   summary();
 }
@@ -129,15 +138,15 @@ function onEvent(ev) {
       showSession(ev.session); break;
     case "input_audio_buffer.speech_started":
       { const t = userTurn(ev.item_id); t.bubble.li.classList.add("live"); t.bubble.meta.textContent = "listening…"; }
-      $("speaking").classList.add("on");
+      speaking(true);
       link.bargeIn?.();
       break;
     case "input_audio_buffer.speech_stopped":
-      { const t = userTurn(ev.item_id); t.speechEnd = link.clockAt(ev.audio_end_ms); t.bubble.meta.textContent = "…"; lastTurn = t; }
-      $("speaking").classList.remove("on");
+      { const t = userTurn(ev.item_id); t.speechEnd = link.clockAt(ev.audio_end_ms); t.toldAt = performance.now(); t.bubble.meta.textContent = "…"; lastTurn = t; }
+      speaking(false);
       break;
     case "input_audio_buffer.committed":
-      { const t = userTurn(ev.item_id); if (t.speechEnd == null) t.speechEnd = performance.now(); lastTurn = t; } break;
+      { const t = userTurn(ev.item_id); if (t.speechEnd == null) t.speechEnd = t.toldAt = performance.now(); lastTurn = t; } break;
     case "conversation.item.input_audio_transcription.delta":
       { const t = userTurn(ev.item_id); t.bubble.words.textContent += ev.delta; app.userDeltas++; } break;
     case "conversation.item.input_audio_transcription.completed":
@@ -222,7 +231,12 @@ class WebRTCLink {
     pc.ontrack = (e) => {
       const stream = e.streams[0] || new MediaStream([e.track]);
       this.audio.srcObject = stream;  // plays it (and makes Chromium's Web Audio see a remote track's samples)
-      meter(ctx, stream, (rms, at) => { if (awaitingSound && rms > LOUD) firstSound(at); });
+      const block = Math.round(ctx.sampleRate / 100);
+      meter(ctx, stream, (rms, at) => {
+        if (rms <= LOUD) return;
+        app.playedSamples += block;
+        if (awaitingSound) firstSound(at);
+      });
     };
     pc.onconnectionstatechange = () => {
       if (pc.connectionState === "connected" && this.t0 == null) this.t0 = performance.now();
@@ -270,7 +284,7 @@ class WebSocketLink {
     this.player = new AudioWorkletNode(ctx, "player", { processorOptions: { jitter: rate * 0.12 } });
     this.player.connect(ctx.destination);
     this.player.port.onmessage = (e) => {
-      this.played = e.data;
+      this.played = app.playedSamples = e.data;
       if (awaitingSound && awaitingSound.item === this.item && this.played > this.replyStart) firstSound(performance.now());
     };
     const protocols = ["realtime"];
@@ -374,7 +388,8 @@ async function start() {
     await worklets(ctx);
     meter(ctx, mic, showLevel);
     await link.connect(mic, ctx);
-    setState("live", `Connected over ${link.name}: speak`);
+    setState("live", `Connected over ${link.name}`);
+    speaking(false);
     const update = settings();
     if (update.instructions || update.audio) link.send({ type: "session.update", session: update });
   } catch (e) {
@@ -390,7 +405,6 @@ function ended(title, detail) {  // the conversation is over: by the user, the s
   ctx?.close();
   mic = ctx = null;
   $("level").style.width = "0";
-  $("speaking").classList.remove("on");
   for (const li of document.querySelectorAll(".turn.live")) li.classList.remove("live");
   if (title) { showError(title, detail); setState("error", "Not connected: " + title.replace(/:$/, "").toLowerCase()); }
   else setState("closed", "Closed: " + detail);
