@@ -132,6 +132,7 @@ function cut(r) {  // the user spoke over the reply (or it was cancelled): what 
 }
 
 function onEvent(ev) {
+  if (!link) return;  // a closed link's last words
   app.events++;
   switch (ev.type) {
     case "session.created": case "session.updated":
@@ -225,7 +226,8 @@ async function errorOf(response) {  // a refused HTTP request's message, from th
 class WebRTCLink {
   constructor(key) { this.key = key; this.name = "WebRTC"; }
   async connect(mic, ctx) {
-    const pc = this.pc = new RTCPeerConnection();
+    // across NATs: ?ice=stun:HOST:PORT (repeatable), as the server has its io.webrtc.ice_servers
+    const pc = this.pc = new RTCPeerConnection({ iceServers: params.getAll("ice").map((urls) => ({ urls })) });
     for (const track of mic.getAudioTracks()) pc.addTrack(track, mic);
     this.audio = Object.assign(document.createElement("audio"), { autoplay: true });
     pc.ontrack = (e) => {
@@ -377,22 +379,27 @@ async function start() {
   remember();
   $("error").hidden = true;
   const key = $("key").value.trim();
-  link = transportChosen() === "websocket" ? new WebSocketLink(key) : new WebRTCLink(key);
+  const mine = link = transportChosen() === "websocket" ? new WebSocketLink(key) : new WebRTCLink(key);
   app.transport = link.name;
   setState("connecting", `Connecting over ${link.name}…`);
   try {
-    try { mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true, channelCount: 1 } }); }
+    let got;
+    try { got = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true, channelCount: 1 } }); }
     catch (e) { throw micError(e); }
+    if (link !== mine) { got.getTracks().forEach((t) => t.stop()); return; }  // stopped while the browser asked
+    mic = got;
     ctx = new AudioContext(link instanceof WebSocketLink ? { sampleRate: 24000 } : {});  // 24 kHz: the protocol's PCM
     await ctx.resume();
     await worklets(ctx);
     meter(ctx, mic, showLevel);
     await link.connect(mic, ctx);
+    if (link !== mine) return;  // stopped while it connected
     setState("live", `Connected over ${link.name}`);
     speaking(false);
     const update = settings();
     if (update.instructions || update.audio) link.send({ type: "session.update", session: update });
   } catch (e) {
+    if (link !== mine) return;  // stopped while it connected: what failed after is no news
     const title = e instanceof LinkError ? e.title : "Could not start:";
     ended(title, e.message);
   }
