@@ -7,6 +7,7 @@
 // The server must allow one session (io.max_sessions=1) and want S2S_API_KEY. Chromium's fake
 // capture device plays S2S_WAV as the microphone (a question after some silence). In order:
 //   webrtc     the default transport: a settings change (voice, instructions), then the spoken turn
+//              (a screenshot while the user speaks, one at a phone's width)
 //   full       while that call is open, a second page over each transport: the server is full
 //   wrongkey   a wrong API key over each transport
 //   websocket  ?transport=websocket in a fresh browser: the spoken turn
@@ -94,6 +95,13 @@ try {
   await page.fill('#instructions', 'You are a terse assistant. Answer in one short sentence.');
   await page.click('#apply');
   await until(page, 'webrtc: session.updated', () => window.s2s.sessions.some((x) => x.voice === 'coral'));
+  // a look at the page while the user speaks (the meter, the live bubble): not a check
+  await page.waitForFunction(() => document.querySelector('#speaking.on') || window.s2s.userTranscripts.length,
+    null, { timeout: TIMEOUT_MS, polling: 50 }).catch(() => {});
+  await page.waitForTimeout(800);
+  const speaking = path.join(shots, 'webrtc_speaking.png');
+  await page.screenshot({ path: speaking, fullPage: true });
+  result.shots.push(speaking);
   await converse(page, 'webrtc');
   await page.setViewportSize({ width: 420, height: 900 });
   const narrow = path.join(shots, 'webrtc_narrow.png');
