@@ -213,7 +213,7 @@ function meter(ctx, stream, onBlock) {  // the level of a stream, every 10 ms
 
 function showLevel(rms) {
   const db = 20 * Math.log10(Math.max(rms, 1e-5));
-  $("level").style.width = `${Math.max(0, Math.min(100, (db + 60) * 100 / 60))}%`;
+  $("level").style.width = `${100 - Math.max(0, Math.min(100, (db + 60) * 100 / 60))}%`;  // the cover above the level
   if (rms > app.levelMax) app.levelMax = rms;
   if (rms > 0.01) app.levelBlocks++;
 }
@@ -411,7 +411,7 @@ function ended(title, detail) {  // the conversation is over: by the user, the s
   mic?.getTracks().forEach((t) => t.stop());
   ctx?.close();
   mic = ctx = null;
-  $("level").style.width = "0";
+  $("level").style.width = "100%";
   for (const li of document.querySelectorAll(".turn.live")) li.classList.remove("live");
   if (title) { showError(title, detail); setState("error", "Not connected: " + title.replace(/:$/, "").toLowerCase()); }
   else setState("closed", "Closed: " + detail);
