@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 
 import numpy as np
 import pytest
@@ -57,7 +58,12 @@ def test_the_browser_app_talks_over_webrtc_and_websocket_and_says_what_went_wron
     out, shots = tmp_path / "result.json", os.environ.get("S2S_APP_SHOTS") or str(tmp_path / "shots")
     with serving(llama, tmp_path / "run", "io.max_sessions=1", "io.partials.interval_ms=500", "llm.max_tokens=40",
                  "vad.speculate_ms=0") as (url, server):
-        env = {**os.environ, "S2S_BASE_URL": _base(url), "S2S_API_KEY": KEY, "S2S_WAV": str(wav),
+        base = _base(url)
+        for name, kind in (("", "text/html"), ("web/app.js", "javascript"), ("web/app.css", "text/css"),
+                           ("web/worklets.js", "javascript")):
+            with urllib.request.urlopen(f"{base}/{name}") as resp:  # the app's plain files, served by the server
+                assert kind in resp.headers["Content-Type"], (name, resp.headers["Content-Type"])
+        env = {**os.environ, "S2S_BASE_URL": base, "S2S_API_KEY": KEY, "S2S_WAV": str(wav),
                "S2S_CHROMIUM": chromium, "S2S_OUT": str(out), "S2S_SHOTS": shots}
         run = subprocess.run([node, "app_browser.mjs"], cwd=NODE_TESTS, env=env, capture_output=True, text=True,
                              timeout=900)
