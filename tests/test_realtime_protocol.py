@@ -352,23 +352,30 @@ def test_with_llm_vision_an_image_goes_to_the_model_as_an_image_url_part_and_a_r
                              "llm.max_retries=0")).start()
     data_url = png_data_url()
 
+    async def next_of(conn: Any, *kinds: str, seen: list[Any] | None = None) -> Any:
+        while (event := await conn.recv()).type not in kinds:
+            (seen if seen is not None else []).append(event)
+        (seen if seen is not None else []).append(event)
+        return event
+
     async def talk():
         async with sdk(url) as conn:
             since = len(proxy.requests)
             await conn.conversation.item.create(item={"type": "message", "role": "user", "id": "item_img", "content": [
                 {"type": "input_text", "text": "What colour is this picture?"},
                 {"type": "input_image", "image_url": data_url}]})
-            added = await until_type(conn, "conversation.item.done", "error")
+            added = await next_of(conn, "conversation.item.done", "error")
             await conn.response.create(response=TEXT)
             seen: list[Any] = []
-            failed = await until_type(conn, "response.done", events=seen)
-            seen.append(await conn.recv())  # the stage's failure, told once its response has ended
+            failed = await next_of(conn, "response.done", seen=seen)
+            if not any(e.type == "error" for e in seen):  # the stage's failure: before or after response.done
+                await next_of(conn, "error", seen=seen)
             request = proxy.bodies("/chat/completions", since)
             await conn.conversation.item.delete(item_id="item_img")
-            await until_type(conn, "conversation.item.deleted")
+            await next_of(conn, "conversation.item.deleted", "error")
             await conn.conversation.item.create(item=user("Say hello."))
             await conn.response.create(response=TEXT)
-            later = await until_type(conn, "response.done", "error")
+            later = await next_of(conn, "response.done", "error")
             return added, seen, failed, request, later
 
     try:
