@@ -1,28 +1,33 @@
 """io=realtime under abuse: a normal session's voice-to-voice with and without each abuse beside it,
 and the server's RSS and thread count before and after.
 
-Run: python benchmarks/bench_abuse.py [--prompts 6] [--abuse idle flood frames storm stall] [override ...]
-     (a real `s2s-run recipe=local_cpu io=realtime` process with its managed llama-server; ~5 min on 2 cores)
+Run: python benchmarks/bench_abuse.py [--prompts 6] [--abuse none idle flood frames storm stall none] [override ...]
+     (a real `s2s-run recipe=local_cpu io=realtime` process with its managed llama-server; ~10 min on 2 cores)
 
 The server is its own process (its RSS and threads are read with psutil); the normal client plays
 the bench=latency corpus at a microphone's pace (benchmarks/bench_realtime.py's client) and measures
 voice-to-voice (first reply audio received - the prompt's true end of speech); refused for want of a
 slot (the abuser's connections hold them), it retries, and the refusals are counted. Each abuser runs in a
-process of its own meanwhile, for as long as the normal client plays:
+process of its own meanwhile, for as long as the normal client plays, from loopback addresses of its
+own (127.0.0.2, the idle connections 127.0.0.10-29; the normal client is 127.0.0.1), so that the
+per-address limits (io.client_limits, exempt=[] here) judge it as a client of its own:
 
 - idle:   20 connections that never send anything (closed by io.idle_timeout_s, set to 5 s here)
 - flood:  one client sending 1,000 small events a second (read at io.max_events_per_s, told once)
 - frames: 10 MB frames, one after another, reconnecting after each close (1009: message too big)
-- storm:  200 connections in 10 s (up to 32 at once), each opened, its first event read, closed
-          (sessions, or session_limit_reached past io.max_sessions, 24 here)
+- storm:  200 connections in 10 s from one address (up to 32 at once), each opened, its first event
+          read, closed (sessions, or client_rate_limited / client_session_limit past io.client_limits,
+          or session_limit_reached past io.max_sessions, 24 here)
 - stall:  a client that asks for a long reply and stops reading (send_queue_full at io.max_queued_bytes,
           1 MiB here: ~12 s of reply audio)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads, and
 the CPU seconds the phase cost the server (with its llama-server) and the abuser: on a machine
 of few cores the abuser's own work (a 10 MB frame built and masked, 200 handshakes) competes with
-the server's. Each abuser prints what it was answered. On a shared machine the figures are indicative only: run it
-in a quiet window.
+the server's. Each abuser prints what it was answered. The phases "none" (by default the first and
+the last) measure the noise: the spread of their medians is what an abuse may move the normal
+session's voice-to-voice by without it meaning anything. On a shared machine the figures are
+indicative only: run it in a quiet window.
 """
 
 from __future__ import annotations
@@ -48,12 +53,15 @@ from benchmarks.bench_realtime import RATE, corpus, one_prompt, p  # noqa: E402
 from tests.support.realtime_process import free_port, get, realtime_process  # noqa: E402
 
 ABUSES = ("idle", "flood", "frames", "storm", "stall")
+ABUSER = "127.0.0.2"  # the abusers' own loopback address (Linux answers all of 127.0.0.0/8)
 STORY = "Tell me a long story about a dragon who learns to cook, with every step of every recipe."
 
 
-def _sync(url: str, **kwargs: Any) -> Any:
+def _sync(url: str, source: str = ABUSER, **kwargs: Any) -> Any:
     from websockets.sync.client import connect
 
+    if "sock" not in kwargs:
+        kwargs["source_address"] = (source, 0)
     return connect(f"{url}/realtime", open_timeout=30, **kwargs)
 
 
@@ -83,8 +91,8 @@ def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
     if kind == "idle":
         from concurrent.futures import ThreadPoolExecutor
 
-        def idle(_: int) -> tuple[list[str], int | None]:
-            with _sync(url) as ws:
+        def idle(i: int) -> tuple[list[str], int | None]:
+            with _sync(url, f"127.0.0.{10 + i}") as ws:
                 return _until_closed(ws, timeout=seconds + 60)
 
         with ThreadPoolExecutor(20) as pool:
@@ -146,6 +154,7 @@ def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
         while time.monotonic() < end:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind((ABUSER, 0))
             host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
             sock.connect((host, int(port)))
             with _sync(url, sock=sock, max_queue=1) as ws:
@@ -188,9 +197,11 @@ async def normal_session(url: str, prompts: list[tuple[np.ndarray, float]], refu
     v2v = []
     for pcm, end_s in prompts:
         while True:
-            async with websockets.connect(f"{url}/realtime", max_size=None, open_timeout=60) as ws:
-                if '"session.created"' not in await ws.recv():
+            async with websockets.connect(f"{url}/realtime", max_size=None, open_timeout=60,
+                                          local_addr=("127.0.0.1", 0)) as ws:
+                if '"session.created"' not in (first := await ws.recv()):
                     refused["normal_session_refused"] += 1
+                    refused[f"normal_refused:{json.loads(first).get('error', {}).get('code')}"] += 1
                     await asyncio.sleep(0.2)
                     continue
                 turn = await one_prompt(ws, pcm, end_s, forget=False)
@@ -203,7 +214,8 @@ async def normal_session(url: str, prompts: list[tuple[np.ndarray, float]], refu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6, help="the corpus' prompts the normal session plays per phase")
-    ap.add_argument("--abuse", nargs="+", default=list(ABUSES), choices=ABUSES)
+    ap.add_argument("--abuse", nargs="+", default=["none", *ABUSES, "none"], choices=["none", *ABUSES],
+                    help="the phases, in order; 'none': the normal session alone (twice or more: the noise)")
     ap.add_argument("--abuser", nargs=3, metavar=("KIND", "URL", "SECONDS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-abuse-")))
     ap.add_argument("overrides", nargs="*")
@@ -228,11 +240,13 @@ def main() -> None:
     play_s = sum(len(pcm) / RATE + 3 for pcm, _ in prompts)
     overrides = [f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "io.idle_timeout_s=5", "io.max_sessions=24",
                  "io.max_queued_bytes=1048576", *args.overrides]
+    if "client_limits" in (Path(__file__).resolve().parents[1] / "conf/io/realtime.yaml").read_text():
+        overrides.insert(0, "io.client_limits.exempt=[]")  # loopback is exempt as shipped
     rows = []
     with realtime_process(args.out, *overrides) as served:
         asyncio.run(normal_session(served.url, prompts[:1], Counter()))  # warm: first turns, pools
         settle(served)
-        for phase in ["none", *args.abuse]:
+        for phase in args.abuse:
             before = server_figures(served.proc.pid)
             abuser = None
             if phase != "none":
@@ -256,6 +270,15 @@ def main() -> None:
         print(f"| {r['abuse']} | {r['turns']} | {r['v2v_p50_ms']} / {r['v2v_p95_ms']} | "
               f"{r['rss_mb_before']} / {r['rss_mb_after']} | {r['threads_before']} / {r['threads_after']} | "
               f"{r['server_cpu_s']} / {r['answered'].get('abuser_cpu_s', '-')} |")
+    quiet = [r["v2v_p50_ms"] for r in rows if r["abuse"] == "none" and r["turns"]]
+    if len(quiet) > 1:
+        print(f"\nnoise (the no-abuse phases' v2v p50): {min(quiet)} - {max(quiet)} ms, "
+              f"spread {round(max(quiet) - min(quiet), 1)} ms")
+        for r in rows:
+            if r["abuse"] != "none" and r["turns"]:
+                v = r["v2v_p50_ms"]
+                off = round(v - max(quiet) if v > max(quiet) else min(v - min(quiet), 0), 1)
+                print(f"  {r['abuse']}: p50 {v} ms, " + ("within the noise" if not off else f"{off:+} ms beyond it"))
 
 
 if __name__ == "__main__":
