@@ -18,16 +18,16 @@ per-address limits (io.client_limits, exempt=[] here) judge it as a client of it
 - storm:  200 connections in 10 s from one address (up to 32 at once), each opened, its first event
           read, closed (sessions, or client_rate_limited / client_session_limit past io.client_limits,
           or session_limit_reached past io.max_sessions, 24 here)
-- stall:  a client that asks for a long reply and stops reading (send_queue_full at io.max_queued_bytes,
-          1 MiB here: ~12 s of reply audio)
+- stall:  a client that asks for a long reply every 2 s and never reads (send_queue_full at
+          io.max_queued_bytes, 1 MiB here: ~12 s of reply audio)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads, and
 the CPU seconds the phase cost the server (with its llama-server) and the abuser: on a machine
-of few cores the abuser's own work (a 10 MB frame built and masked, 200 handshakes) competes with
-the server's. Each abuser prints what it was answered. The phases "none" (by default the first and
-the last) measure the noise: the spread of their medians is what an abuse may move the normal
-session's voice-to-voice by without it meaning anything. On a shared machine the figures are
-indicative only: run it in a quiet window.
+of few cores the abuser's own work (a 10 MB frame built and masked, 200 handshakes) would compete
+with the server's, so it runs at nice 19, as if on a machine of its own. Each abuser prints what
+it was answered. The phases "none" (by default the first and the last) measure the noise: the
+spread of their medians is what an abuse may move the normal session's voice-to-voice by without
+it meaning anything. On a shared machine the figures are indicative only: run it in a quiet window.
 """
 
 from __future__ import annotations
@@ -83,6 +83,48 @@ def _until_closed(ws: Any, timeout: float = 60) -> tuple[list[str], int | None]:
         return kinds, closed.rcvd.code if closed.rcvd is not None else None
     except TimeoutError:
         return kinds, None
+
+
+def _stalled(url: str, ask: list[str], end: float) -> tuple[list[str], int | None]:
+    """A client that asks for a long reply every 2 s and never reads (sans-I/O websockets on a raw
+    socket: a client library's reader would read, or stop its sends with its reads). Then what it
+    had been sent: the events' kinds (error codes) and the close code."""
+    from websockets.client import ClientProtocol
+    from websockets.frames import Opcode
+    from websockets.uri import parse_uri
+
+    proto = ClientProtocol(parse_uri(f"{url}/realtime"), max_size=None)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.bind((ABUSER, 0))
+    host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
+    sock.connect((host, int(port)))
+    proto.send_request(proto.connect())
+    sock.sendall(b"".join(proto.data_to_send()))
+    events: list[Any] = []
+    while not any(getattr(e, "opcode", None) is Opcode.TEXT for e in events):  # the handshake, session.created
+        proto.receive_data(sock.recv(65536))
+        events += proto.events_received()
+    try:
+        while time.monotonic() < end:  # nothing read: the kernel's buffers fill, then the server's queue
+            for text in ask:
+                proto.send_text(text.encode())
+            sock.sendall(b"".join(proto.data_to_send()))
+            time.sleep(2.0)
+    except OSError:  # dropped by the server
+        pass
+    sock.settimeout(30)
+    with contextlib.suppress(OSError):
+        while data := sock.recv(1 << 20):
+            proto.receive_data(data)
+            events += proto.events_received()
+    sock.close()
+    kinds = []
+    for e in events:
+        if getattr(e, "opcode", None) is Opcode.TEXT:
+            event = json.loads(e.data)
+            kinds.append(event["error"]["code"] if event["type"] == "error" else event["type"])
+    return kinds, proto.close_rcvd.code if proto.close_rcvd is not None else None
 
 
 def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
@@ -152,22 +194,8 @@ def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
         ask = [json.dumps({"type": "conversation.item.create", "item": item}), json.dumps({"type": "response.create"})]
         results: Counter[str] = Counter()
         while time.monotonic() < end:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.bind((ABUSER, 0))
-            host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
-            sock.connect((host, int(port)))
-            with _sync(url, sock=sock, max_queue=1) as ws:
-                _first(ws)
-                try:  # a long reply asked for every 2 s, and nothing read: the kernel's buffers fill, then the queue
-                    while time.monotonic() < end:
-                        for text in ask:
-                            ws.send(text)
-                        time.sleep(2.0)
-                except Exception:  # closed by the server
-                    pass
-                kinds, code = _until_closed(ws, timeout=30)
-                results[f"{kinds[-1] if kinds else '-'}/{code}"] += 1
+            kinds, code = _stalled(url, ask, end)
+            results[f"{kinds[-1] if kinds else '-'}/{code}"] += 1
         return {"stalled_clients": sum(results.values()), "last_event/close": dict(results)}
     raise SystemExit(f"unknown abuse {kind!r}: one of {', '.join(ABUSES)}")
 
@@ -221,7 +249,10 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.abuser:
+        import os
         import resource
+
+        os.nice(19)  # the abuser would be another machine: it takes what the server leaves idle
 
         kind, url, seconds = args.abuser
         answered = abuse(kind, url, float(seconds))
@@ -248,7 +279,9 @@ def main() -> None:
         overrides.insert(0, "io.client_limits.exempt=[]")  # loopback is exempt as shipped
     rows = []
     with realtime_process(args.out, *overrides) as served:
-        asyncio.run(normal_session(served.url, prompts[:1], Counter()))  # warm: first turns, pools
+        # warm: first turns, pools, and each prompt once (llama-server's prompt cache: the first phase
+        # to play a prompt would be slower than the ones after it)
+        asyncio.run(normal_session(served.url, prompts, Counter()))
         settle(served)
         for phase in args.abuse:
             before = server_figures(served.proc.pid)

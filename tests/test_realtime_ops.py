@@ -1,8 +1,8 @@
 """io=realtime in operation: who may connect (Origin, Host), health and readiness, draining, and the
 abuse a public server meets (a client that floods events, sends a 10 MB frame, a reconnect storm,
-the limits per client address),
-against the real offline stack. The signals themselves (SIGTERM to a real ``s2s-run``) are in
-test_realtime_drain.py; the idle client and the one that stops reading in test_realtime(_turns).py.
+one address that takes many sessions), against the real offline stack. The signals themselves
+(SIGTERM to a real ``s2s-run``) are in test_realtime_drain.py; the idle client and the one that
+stops reading in test_realtime(_turns).py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ So a WebSocket on ``/v1/realtime`` is counted by its client's address, before an
   least one, at once);
   a faster one is told (error ``client_rate_limited``) and closed with 1013 (try again later).
 
-Refusals are counted in ``s2s_sessions_refused_total{reason}``. 0 turns a limit off.
+Refusals are counted in ``s2s_sessions_refused_total{reason}``. 0 turns a limit off. A refusal is
+answered after ``REFUSE_DELAY_S``: a client that reconnects as soon as it is refused (a loop without
+backoff) then costs the server one handshake a second and a socket held meanwhile, not a hundred
+handshakes a second (measured: benchmarks/bench_abuse.py, frames).
 
 The address is the TCP peer's. Behind a reverse proxy every client arrives from the proxy's
 address: list the proxy in ``io.trusted_proxies`` (addresses or networks) and have it set
@@ -25,6 +28,7 @@ signed: they are not limited per address; WebRTC calls are not either (yet).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import time
@@ -39,6 +43,7 @@ __all__ = ["ClientLimitSettings", "ClientLimits", "Refusal", "settings"]
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _PRUNE_AT = 4096  # addresses remembered for their connection rate before the idle ones are forgotten
+REFUSE_DELAY_S = 1.0  # a connection refused per address is answered this late (see the module's docstring)
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,11 @@ class Refusal:
     message: str
     close_code: int = 1008
     type: str = "invalid_request_error"
+    delay_s: float = 0.0
 
     async def tell(self, ws: Any) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         await ws.send_text(events.encode(events.error(self.code, self.message, type=self.type)))
         await ws.close(code=self.close_code, reason=self.code)
 
@@ -133,7 +141,7 @@ class ClientLimits:
             return Refusal("client_session_limit", f"{address} already holds {limits.max_sessions} sessions "
                            f"(io.client_limits.max_sessions={limits.max_sessions}): close one first. Behind a "
                            "proxy, list it in io.trusted_proxies so that each client is counted by its own "
-                           "address (X-Forwarded-For)")
+                           "address (X-Forwarded-For)", delay_s=REFUSE_DELAY_S)
         if limits.connects_per_s:
             now, burst = time.monotonic(), max(1.0, 2 * limits.connects_per_s)
             tokens, when = self.buckets.get(address, (burst, now))
@@ -142,7 +150,7 @@ class ClientLimits:
                 self.buckets[address] = (tokens, now)
                 return Refusal("client_rate_limited", f"{address} opens sessions faster than "
                                f"io.client_limits.connects_per_s={limits.connects_per_s:g}: try again in a "
-                               "moment (reconnect with a backoff)", close_code=1013)
+                               "moment (reconnect with a backoff)", close_code=1013, delay_s=REFUSE_DELAY_S)
             self.buckets[address] = (tokens - 1, now)
             if len(self.buckets) > _PRUNE_AT:
                 self._prune(now)

@@ -38,7 +38,7 @@ from nodes.io.realtime.client_events import ClientEvents
 from nodes.io.realtime.clients import ClientLimits, Refusal
 from nodes.io.realtime.drain import Drain, drainable_server
 from nodes.io.realtime.guard import Guard
-from nodes.io.realtime.limits import EventRate
+from nodes.io.realtime.limits import EventRate, trim_memory_soon
 from nodes.io.realtime.prometheus import ServerMetrics
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
@@ -115,8 +115,7 @@ class RealtimeServer:
         self.admission = Admission(sessions=lambda: self.open, max_sessions=options.max_sessions,
                                    target_ms=options.target_ms, policy=options.admission,
                                    wait_s=options.admission_wait_s)
-        self.open = 0
-        self.sessions_run = 0
+        self.open = self.sessions_run = 0  # sessions open now, and since the start
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
         self._sock = sock
         self._server: Any = None
@@ -301,6 +300,7 @@ class RealtimeServer:
             self.open -= 1
             self.metrics.sessions.dec()
             self.admission.closed()
+            trim_memory_soon()  # what its buffers left free in the heap, back to the OS (limits.py)
 
     def observe(self, name: str, value: float) -> None:
         """A session's figure (its metrics callback, any thread): to /metrics and to admission."""
