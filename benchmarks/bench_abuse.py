@@ -19,7 +19,7 @@ per-address limits (io.client_limits, exempt=[] here) judge it as a client of it
           read, closed (sessions, or client_rate_limited / client_session_limit past io.client_limits,
           or session_limit_reached past io.max_sessions, 24 here)
 - stall:  a client that asks for a long reply every 2 s and never reads (send_queue_full at
-          io.max_queued_bytes, 1 MiB here: ~12 s of reply audio)
+          io.max_queued_bytes, 256 KiB here: ~4 s of reply audio; the kernel buffers hold more)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads, and
 the CPU seconds the phase cost the server (with its llama-server) and the abuser: on a machine
@@ -274,7 +274,7 @@ def main() -> None:
     # is never met; here each abuser reaches a session, so each limit is what stops it
     overrides = [f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "io.idle_timeout_s=5", "io.max_sessions=24",
                  "io.target_ms=null",
-                 "io.max_queued_bytes=1048576", *args.overrides]
+                 "io.max_queued_bytes=262144", *args.overrides]
     if "client_limits" in (Path(__file__).resolve().parents[1] / "conf/io/realtime.yaml").read_text():
         overrides.insert(0, "io.client_limits.exempt=[]")  # loopback is exempt as shipped
     rows = []
