@@ -1,16 +1,15 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
-Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same
-sessions over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through
-Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
-sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
-client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route
-passes the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is admitted
-per client address (clients.py), by count and by load (admission.py). Each connection builds a fresh
-graph from the composed config (cheap: ``__init__`` only), gives it its session (the
-source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
-it with its own Scheduler on its own threads; models come from the process-wide cache
-(``Node.shared()``), kept warm here for the server's lifetime.
+Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same sessions over
+WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through Twilio Media Streams, translated to a Realtime
+session's events: twilio.py), ``/metrics`` (Prometheus text: sessions open and refused, turns, voice-to-voice,
+the shared models' queues), ``/`` (the browser app: ``web/page.html``, its files under ``/web/``),
+``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route passes the Origin
+and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is admitted per client address
+(clients.py), by count and by load (admission.py). Each connection builds a fresh graph from the composed
+config (cheap: ``__init__`` only), gives it its session (the source and sink take it from ``ctx.session``; the
+session finds its VAD, TTS and LLM), and runs it with its own Scheduler on its own threads; models come from
+the process-wide cache (``Node.shared()``), kept warm here for the server's lifetime.
 
 The transport moves text: frames in to the client-event handlers (client_events.py), the
 session's encoded events out. What waits for a client is bounded: its events in
@@ -48,7 +47,7 @@ from s2s_flow.node import Context, keep_shared, require
 __all__ = ["RealtimeServer"]
 
 log = logging.getLogger("s2s_flow.realtime")
-PAGE = Path(__file__).with_name("page.html")
+WEB = Path(__file__).with_name("web")  # the browser app: page.html, app.js, app.css, worklets.js
 CLOSE_GRACE_S = 5.0  # a client closed for not reading gets this long to read its error and the close
 
 
@@ -201,8 +200,9 @@ class RealtimeServer:
 
     def _app(self) -> Any:
         from starlette.applications import Starlette
-        from starlette.responses import HTMLResponse, Response
-        from starlette.routing import Route
+        from starlette.responses import FileResponse, Response
+        from starlette.routing import Mount, Route
+        from starlette.staticfiles import StaticFiles
         from starlette.websockets import WebSocket
 
         from nodes.io.realtime.webrtc import WebRTCCalls
@@ -210,12 +210,13 @@ class RealtimeServer:
         calls = self.calls = WebRTCCalls(self, _Connection)
 
         async def page(request: Any) -> Any:
-            return HTMLResponse(PAGE.read_text(encoding="utf-8") if PAGE.is_file() else "<p>s2s-flow</p>")
+            return FileResponse(WEB / "page.html", headers={"Cache-Control": "no-cache"})
 
         async def metrics(request: Any) -> Any:
             return Response(self.metrics.text(), media_type=self.metrics.prom.CONTENT_TYPE_LATEST)
 
         site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
+                                 Mount("/web", StaticFiles(directory=WEB)),
                                  Route("/v1/realtime/calls", calls.create, methods=["POST"]),
                                  Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"]),
                                  *self.drain.routes(lambda: self.open, self.options.max_sessions)])
