@@ -41,13 +41,34 @@ _DIRECTION = re.compile(r"\[[^\]]*\]")  # "[600 ms]": said to the voice, not spo
 _NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
             "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
             "nineteen", "twenty"]
+_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+_SCALES = ["", "thousand", "million", "billion", "trillion"]
+_GROUPED = re.compile(r"(?<=\d),(?=\d{3}\b)")  # "1,000,000": one number
+
+
+def _spoken(n: int) -> list[str]:
+    """An integer as a voice says it: 42 -> forty two, 1000000000000 -> one trillion (from 10^15 on:
+    the digits)."""
+    if n < len(_NUMBERS):
+        return [_NUMBERS[n]]
+    if n < 100:
+        return [_TENS[n // 10], *([_NUMBERS[n % 10]] if n % 10 else [])]
+    if n < 1000:
+        return [_NUMBERS[n // 100], "hundred", *(_spoken(n % 100) if n % 100 else [])]
+    power = min((len(str(n)) - 1) // 3, len(_SCALES))
+    if power == len(_SCALES):
+        return [str(n)]
+    head, rest = divmod(n, 1000 ** power)
+    return [*_spoken(head), _SCALES[power], *(_spoken(rest) if rest else [])]
 
 
 def normalise(text: str) -> list[str]:
-    """Lower-case words without punctuation or stage directions; 0-20 spelled out ('10' = 'ten')."""
-    text = _DIRECTION.sub(" ", text).lower().replace("-", " ")
+    """Lower-case words without punctuation or stage directions; numbers spelled out as a voice says
+    them ('10' = 'ten', '1,000,000' = 'one million': a TTS reads digits as words, Whisper writes
+    either)."""
+    text = _GROUPED.sub("", _DIRECTION.sub(" ", text)).lower().replace("-", " ")
     words = re.sub(r"[^a-z0-9' ]+", " ", text).split()
-    return [_NUMBERS[int(w)] if w.isdigit() and int(w) < len(_NUMBERS) else w.strip("'") for w in words]
+    return [s for w in words for s in (_spoken(int(w)) if w.isdigit() else [w.strip("'")])]
 
 
 def word_errors(reference: str, hypothesis: str) -> tuple[int, int]:

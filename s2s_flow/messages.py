@@ -137,6 +137,7 @@ class Transcript(Message):
     language: str | None = None
     final: bool = True
     speculative: bool = False
+    images: tuple[str, ...] = ()  # image URLs (data: or http[s]:) shown with the words (llm.vision)
 
     ring: ClassVar[tuple[int, str]] = (16, "block")
 

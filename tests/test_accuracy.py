@@ -37,6 +37,16 @@ def test_words_are_compared_without_case_punctuation_or_the_voices_stage_directi
     assert accuracy.word_errors("What's the time?", "what is the time") == (2, 3)  # one sub, one insertion
 
 
+def test_numbers_are_compared_as_a_voice_says_them():
+    # an LLM writes digits, the TTS reads them as words and Whisper writes either (a WebRTC test's
+    # reply "1000000000000." was heard as "one trillion")
+    assert accuracy.word_errors("1000000000000.", "one trillion") == (0, 2)
+    assert accuracy.word_errors("It is 42,195 meters.", "It is forty-two thousand one hundred ninety-five meters") \
+        == (0, 10)
+    assert accuracy.normalise("1,000,000 and 3,5") == ["one", "million", "and", "three", "five"]
+    assert accuracy.normalise("10" + "0" * 15) == ["1" + "0" * 16]  # beyond trillions: the digits
+
+
 def test_a_turn_that_ends_at_the_hesitation_is_a_false_end():
     metrics = run_metrics(
         turn(1, "01-what-time-is-it", 11.52),  # ended where the prompt did (+ the VAD's estimate)

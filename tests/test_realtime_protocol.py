@@ -306,24 +306,94 @@ def test_a_transcription_session_sends_the_users_transcripts_and_makes_no_respon
     assert (errors["evt_kind"].code, errors["evt_kind"].param) == ("invalid_value", "session.type")
 
 
-def test_an_image_is_refused_clearly_and_its_item_is_not_half_added(served):
+def png_data_url() -> str:
+    """A real 8x8 red PNG as a data URL, the form a browser's canvas.toDataURL() gives."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + b"\xff\x00\x00" * 8 for _ in range(8))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def test_an_image_is_refused_clearly_naming_llm_vision_and_its_item_is_not_half_added(served):
     url, _ = served
-    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    image = {"type": "input_image", "image_url": png_data_url()}
 
     async def talk():
         async with sdk(url) as conn:
             item = {"type": "message", "role": "user", "id": "item_img",
                     "content": [{"type": "input_text", "text": "What is in this picture?"}, image]}
             await conn.conversation.item.create(item=item, event_id="evt_img")
-            img = await until_type(conn, "error")
+            img = await until_type(conn, "error", "conversation.item.done")
             await conn.conversation.item.retrieve(item_id="item_img")
             gone = await until_type(conn, "error", "conversation.item.retrieved")
             return img, gone
 
     img, gone = run(talk())
-    assert (img.error.code, img.error.event_id) == ("unsupported_content", "evt_img")
+    assert img.type == "error", "the item was added"
+    assert (img.error.code, img.error.event_id) == ("invalid_value", "evt_img")
     assert img.error.param == "item.content[1]" and "image" in img.error.message
+    assert "llm.vision" in img.error.message, "the error names the setting that makes images go through"
     assert gone.type == "error" and gone.error.code == "item_not_found", "the whole item was refused, not half of it"
+
+
+def test_with_llm_vision_an_image_goes_to_the_model_as_an_image_url_part_and_a_refusal_is_told(proxy, tmp_path):
+    """llm.vision=true: a text+image item stays in the conversation with its image, and the request
+    carries it as the Chat Completions image_url part. The fixtures' llama-server has no vision
+    projector (no --mmproj; no vision model is available offline), so it refuses the request: the
+    client gets an error event that says why, and the session goes on (the item deleted, a text
+    turn is answered)."""
+    url = (server := _server(proxy.url, tmp_path, "llm.vision=true", "llm.fallback_reply=null",
+                             "llm.max_retries=0")).start()
+    data_url = png_data_url()
+
+    async def next_of(conn: Any, *kinds: str, seen: list[Any] | None = None) -> Any:
+        while (event := await conn.recv()).type not in kinds:
+            (seen if seen is not None else []).append(event)
+        (seen if seen is not None else []).append(event)
+        return event
+
+    async def talk():
+        async with sdk(url) as conn:
+            since = len(proxy.requests)
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "id": "item_img", "content": [
+                {"type": "input_text", "text": "What colour is this picture?"},
+                {"type": "input_image", "image_url": data_url}]})
+            added = await next_of(conn, "conversation.item.done", "error")
+            await conn.response.create(response=TEXT)
+            seen: list[Any] = []
+            failed = await next_of(conn, "response.done", seen=seen)
+            if not any(e.type == "error" for e in seen):  # the stage's failure: before or after response.done
+                await next_of(conn, "error", seen=seen)
+            request = proxy.bodies("/chat/completions", since)
+            await conn.conversation.item.delete(item_id="item_img")
+            await next_of(conn, "conversation.item.deleted", "error")
+            await conn.conversation.item.create(item=user("Say hello."))
+            await conn.response.create(response=TEXT)
+            later = await next_of(conn, "response.done", "error")
+            return added, seen, failed, request, later
+
+    try:
+        added, seen, failed, requests, later = run(talk())
+    finally:
+        server.stop()
+    assert added.type == "conversation.item.done", added
+    assert [p.type for p in added.item.content] == ["input_text", "input_image"]
+    assert added.item.content[1].image_url == data_url, "the item keeps its image"
+    content = requests[-1]["messages"][-1]["content"]
+    assert content == [{"type": "text", "text": "What colour is this picture?"},
+                       {"type": "image_url", "image_url": {"url": data_url}}], content
+    errors = [e.error for e in seen if e.type == "error"]
+    assert errors and errors[0].code == "llm_failed", [e.type for e in seen]
+    assert "takes no images" in errors[0].message and "mmproj" in errors[0].message, errors[0].message
+    assert failed.response.status == "failed" and "takes no images" in failed.response.status_details.error.message
+    assert later.type == "response.done" and later.response.status == "completed", later
+    assert later.response.output[0].content[0].text.strip()
 
 
 # -- 11. out-of-band responses ---------------------------------------------------------------

@@ -303,6 +303,24 @@ def test_the_conversation_view_leaves_out_deleted_items_and_uses_a_responses_ins
     assert unknown.value.code == "item_not_found"
 
 
+def test_a_deleted_message_leaves_the_words_and_images_of_those_answered_with_it(tmp_path):
+    """Two typed messages answered by one response.create, the second with an image (llm.vision):
+    deleting the first leaves the second whole in what the LLM is sent, its image part too."""
+    _, session, _ = _sink(tmp_path)
+    conversation = Conversation(None, 8)
+    url = "data:image/png;base64,iVBORw0KGgo="
+    for item in ("item_a", "item_b"):
+        session.add_item(item)
+    session.turn_items[1] = [("item_a", "My name is Ada.", ()), ("item_b", "What is in this picture?", (url,))]
+    image = {"type": "image_url", "image_url": {"url": url}}
+    conversation.add_user([{"type": "text", "text": "My name is Ada.\nWhat is in this picture?"}, image], 1)
+    session.delete("item_a")
+    assert session.history(conversation).messages() == [
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]}]
+    session.delete("item_b")
+    assert session.history(conversation).messages() == []
+
+
 def test_turn_detection_is_checked_whole_and_fitted_to_the_sessions_vad(tmp_path):
     from nodes.vad.silero import SileroVAD
 

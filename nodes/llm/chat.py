@@ -49,6 +49,7 @@ class ChatCompletionsLLM(RemoteLLM):
         audio_content_type: str = "input_audio",
         audio_prompt: str | None = None,
         keep_audio_turns: int = 1,
+        vision: bool = False,
         **options: Any,
     ) -> None:
         """``options``: those of every remote LLM (``RemoteLLM``: base_url, model, api_key ...) and of
@@ -66,6 +67,8 @@ class ChatCompletionsLLM(RemoteLLM):
         self.audio_content_type = audio_content_type
         self.audio_prompt = audio_prompt or None
         self.keep_audio_turns = keep_audio_turns
+        #: the model takes images: a Realtime client's input_image parts go as image_url parts
+        self.vision = bool(vision)
         # vad.turn=text|hybrid: the end-of-turn score comes from the server's own endpoints at its
         # root (llama-server: /apply-template, /completion), beside the API under base_url
         root = str(options.get("base_url", DEFAULT_BASE_URL)).rstrip("/").removesuffix("/v1")
@@ -136,6 +139,9 @@ class ChatCompletionsLLM(RemoteLLM):
     # -- request ----------------------------------------------------------------------
 
     def user_content(self, port: str, msg: Message) -> Any:
+        if isinstance(msg, Transcript) and msg.images:  # words and images: content parts, as they go
+            text = [{"type": "text", "text": msg.text}] if msg.text.strip() else []
+            return [*text, *({"type": "image_url", "image_url": {"url": url}} for url in msg.images)]
         if not isinstance(msg, Speech):
             return super().user_content(port, msg)
         if len(msg.pcm) == 0:
@@ -231,12 +237,20 @@ class ChatCompletionsLLM(RemoteLLM):
         return [text, *self._calls(calls)]
 
     def explain(self, exc: RemoteError) -> RemoteError:
-        """A server that cannot take the audio part: say which model or stage to use instead."""
+        """A server that cannot take the audio or image part: say which model or stage to use instead."""
         exc = super().explain(exc)
         last = self.conversation.exchanges[-1] if self.conversation.exchanges else None
+        detail = (exc.detail or "").lower()
+        if last is not None and _has_image(last.user) and exc.status is not None and (
+                "image" in detail or "mmproj" in detail or "multimodal" in detail):
+            return RemoteError(
+                f"{exc}. The model at {self.client.base_url} takes no images: serve a vision model (llama-server "
+                f"-m model.gguf --mmproj mmproj.gguf, or one behind vLLM or OpenAI), or set llm.vision=false so "
+                f"that clients are told at once that images are refused",
+                status=exc.status, detail=exc.detail,
+            )
         if last is None or not isinstance(last.user, AudioTurn) or exc.status is None:
             return exc
-        detail = exc.detail.lower()
         if "audio" in detail or "multimodal" in detail or "mmproj" in detail or "content" in detail:
             return RemoteError(
                 f"{exc}. The model at {self.client.base_url} has no audio input: serve a model with "
@@ -246,3 +260,7 @@ class ChatCompletionsLLM(RemoteLLM):
                 status=exc.status, detail=exc.detail,
             )
         return exc
+
+
+def _has_image(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)

@@ -156,7 +156,8 @@ class ClientEvents:
         if item.get("type", "message") != "message" or item.get("role") != "user":
             raise ProtocolError("unsupported_value", "conversation.item.create: only user messages (input_text) are "
                                 "supported by this server yet", param="item.type")
-        self.session.user_text(item_id, user_text(item.get("content"), "item.content"))
+        self.session.user_text(item_id, *user_content(item.get("content"), "item.content",
+                                                      self.session.nodes.sees_images))
 
     def delete_item(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
@@ -230,15 +231,16 @@ class ClientEvents:
                 known = self.session.item_data.get(item.get("id")) or {}
                 parts = known.get("content") or []
                 text = " ".join(p.get("text") or p.get("transcript") or "" for p in parts).strip()
-                if not text:
+                images = [p["image_url"] for p in parts if p.get("type") == "input_image"]
+                if not text and not images:
                     raise ProtocolError("item_not_found", f"{where}: no message {item.get('id')!r} with words in "
                                         "this conversation", param=f"{where}.id")
             elif isinstance(item, dict) and item.get("type", "message") == "message" and item.get("role") == "user":
-                text = user_text(item.get("content"), f"{where}.content")
+                text, images = user_content(item.get("content"), f"{where}.content", self.session.nodes.sees_images)
             else:
                 raise ProtocolError("unsupported_value", f"{where}: only user messages and item references are "
                                     "supported by this server", param=f"{where}.type")
-            inputs.append(Pending(new_id("item"), text=text, ready=True))
+            inputs.append(Pending(new_id("item"), text=text, ready=True, images=images))
         return inputs
 
     def cancel_response(self, event: dict[str, Any]) -> None:
@@ -249,21 +251,36 @@ class ClientEvents:
         session.put(("cancel",))
 
 
-def user_text(content: Any, where: str) -> str:
-    """A user message's words: its ``input_text`` parts. Any other part is refused, never dropped."""
+def user_content(content: Any, where: str, images_ok: bool) -> tuple[str, list[str]]:
+    """A user message's words (its ``input_text`` parts) and its images' URLs (``input_image``: a
+    ``data:image/...`` URL or an http(s) one), for an LLM that takes images (``images_ok``: llm.vision).
+    Any other part, or an image the LLM cannot take, is refused with the whole message, never dropped."""
     if not isinstance(content, list) or not content:
         raise ProtocolError("invalid_value", "a user message needs content [{'type': 'input_text', 'text': "
                             "...}]", param=where)
-    texts = []
+    texts, images = [], []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image":
-            raise ProtocolError("unsupported_content", f"{where}[{i}] is an image: this server's LLM takes text "
-                                "only, so the message was not added (nothing of it dropped silently); send what "
-                                "the image shows as input_text, or serve a model that takes images",
-                                param=f"{where}[{i}]")
+            images.append(_image_url(part, f"{where}[{i}]", images_ok))
+            continue
         if kind != "input_text" or not isinstance(part.get("text"), str):
             raise ProtocolError("invalid_value", f"{where}[{i}]: a user message's parts are {{'type': "
-                                "'input_text', 'text': ...}} here", param=f"{where}[{i}]")
+                                "'input_text', 'text': ...}} here" + (" or {'type': 'input_image', 'image_url': "
+                                "...}" if images_ok else ""), param=f"{where}[{i}]")
         texts.append(part["text"])
-    return " ".join(texts).strip()
+    return " ".join(texts).strip(), images
+
+
+def _image_url(part: dict[str, Any], where: str, images_ok: bool) -> str:
+    if not images_ok:
+        raise ProtocolError("invalid_value", f"{where} is an image, and this server's LLM takes text only "
+                            "(llm.vision=false), so the message was not added (nothing of it dropped silently): "
+                            "serve a model that takes images with llm=chat llm.vision=true (llama-server with "
+                            "its --mmproj, or a vision model behind any Chat Completions server), or send what "
+                            "the image shows as input_text", param=where)
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url.startswith(("data:image/", "https://", "http://")):
+        raise ProtocolError("invalid_value", f"{where}.image_url must be a data:image/...;base64 URL or an "
+                            "http(s) URL of the image", param=f"{where}.image_url")
+    return url

@@ -15,10 +15,10 @@ __all__ = ["conversation_view"]
 
 
 def conversation_view(conversation: Conversation, *, instructions: str | None, deleted: set[str],
-                      turn_items: dict[int, list[tuple[str, str | None]]], user_items: dict[int, str],
+                      turn_items: dict[int, list[tuple[str, str | None, tuple[str, ...]]]], user_items: dict[int, str],
                       no_reply: set[int]) -> Conversation:
     """``conversation`` as the client edited it. ``turn_items``: per LLM turn, the user items a
-    ``response.create`` answered together (their text; None for audio); ``user_items``: a spoken
+    ``response.create`` answered together (their text, None for audio; their images' URLs); ``user_items``: a spoken
     turn's item; ``no_reply``: turns whose reply item was deleted."""
     view = copy.copy(conversation)
     if instructions is not None:
@@ -44,16 +44,20 @@ def conversation_view(conversation: Conversation, *, instructions: str | None, d
     return view
 
 
-def _user_view(ex: Exchange, entries: list[tuple[str, str | None]] | None, item_id: str | None,
+def _user_view(ex: Exchange, entries: list[tuple[str, str | None, tuple[str, ...]]] | None, item_id: str | None,
                deleted: set[str]) -> tuple[Any, bool]:
     """(user message, gone) of one exchange once the deleted items are left out: typed messages
-    answered together lose only the deleted ones; audio goes as a whole."""
+    answered together lose only the deleted ones (words and images: the chat content parts the LLM
+    was sent, llm.vision); audio goes as a whole."""
     if entries is None:
         return ex.user, item_id is not None and item_id in deleted
-    kept = [(i, text) for i, text in entries if i not in deleted]
+    kept = [(text, images) for i, text, images in entries if i not in deleted]
     if len(kept) == len(entries):
         return ex.user, False
-    if not kept or any(text is None for _, text in entries) or not isinstance(ex.user, str):
+    if not kept or any(text is None for _, text, _ in entries) or not isinstance(ex.user, (str, list)):
         return ex.user, True
-    text = "\n".join(t for _, t in kept if t)
-    return text, not text
+    text = "\n".join(t for t, _ in kept if t)
+    images = [{"type": "image_url", "image_url": {"url": url}} for _, urls in kept for url in urls]
+    if not images:
+        return text, not text
+    return [*([{"type": "text", "text": text}] if text else []), *images], False

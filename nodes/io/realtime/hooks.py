@@ -38,7 +38,7 @@ class NodeHooks(SessionHooks):
     asked: list[Response]
     pending: list[Pending]
     deleted: set[str]
-    turn_items: dict[int, list[tuple[str, str | None]]]
+    turn_items: dict[int, list[tuple[str, str | None, tuple[str, ...]]]]
     user_items: dict[int, str]
     answering: int | None
     out_of_band: set[int]

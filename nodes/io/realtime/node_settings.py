@@ -32,6 +32,7 @@ class NodeSettings:
         self.tts: Voiced | None = None
         self.llm: Instructed | None = None
         self.hears_audio = False  # the LLM takes the user's audio itself (stt=none)
+        self.sees_images = False  # the LLM takes images (llm=chat llm.vision=true)
 
     def bind(self, graph: Any) -> None:
         """Find them in the session's graph; the session's settings start as theirs."""
@@ -47,6 +48,7 @@ class NodeSettings:
             elif isinstance(node, Voiced) and self.tts is None:
                 self.tts = node
         self.hears_audio = any(e.dst == llm_name and issubclass(e.type, Speech) for e in graph.edges)
+        self.sees_images = bool(getattr(self.llm, "vision", False))
         config = self.config
         if self.llm is not None:
             config.instructions = self.llm.instructions()

@@ -250,13 +250,14 @@ class RealtimeSource(Node):
         turn = self.ctx.new_turn()
         session.begin(turn, resp)
         texts = [q.text for q in resp.inputs if q.text]
+        images = tuple(url for q in resp.inputs for url in q.images)
         audio = [q.speech.pcm for q in resp.inputs if q.speech is not None and not q.text]
         if audio and session.nodes.hears_audio:
             pcm = np.concatenate(audio)
             yield ("speech", Speech(turn=turn, pcm=pcm, rate=self.rate, start=0.0, end=len(pcm) / self.rate,
                                     speech_end_t=time.monotonic()))
-        elif texts:
-            yield ("text", Transcript(turn=turn, text="\n".join(texts)))
+        elif texts or images:
+            yield ("text", Transcript(turn=turn, text="\n".join(texts), images=images))
         else:  # nothing was said (silence, or the transcripts were lost to an interrupt)
             session.fail(resp, "empty_input", "the user messages this response was to answer have no words")
 

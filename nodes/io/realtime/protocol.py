@@ -12,7 +12,7 @@ import copy
 import itertools
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,8 +313,9 @@ def user_audio_item(item_id: str, transcript: str | None = None) -> dict[str, An
     return message_item(item_id, "user", [{"type": "input_audio", "transcript": transcript}])
 
 
-def user_text_item(item_id: str, text: str) -> dict[str, Any]:
-    return message_item(item_id, "user", [{"type": "input_text", "text": text}])
+def user_text_item(item_id: str, text: str, images: Sequence[str] = ()) -> dict[str, Any]:
+    return message_item(item_id, "user", [{"type": "input_text", "text": text},
+                                          *({"type": "input_image", "image_url": url} for url in images)])
 
 
 def assistant_item(item_id: str, audio: bool, text: str, status: str) -> dict[str, Any]:

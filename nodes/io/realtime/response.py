@@ -70,3 +70,4 @@ class Pending:
     text: str | None = None
     speech: Speech | None = None  # the audio itself, when the LLM hears audio (stt=none)
     ready: bool = False
+    images: list[str] = field(default_factory=list)  # its input_image parts' URLs (llm.vision)

@@ -40,6 +40,7 @@ from nodes.io.realtime.guard import Guard
 from nodes.io.realtime.limits import EventRate, trim_memory_soon
 from nodes.io.realtime.prometheus import ServerMetrics
 from nodes.io.realtime.protocol import SessionConfig
+from nodes.io.realtime.receive import Receiver
 from nodes.io.realtime.session import Session
 from nodes.io.realtime.twilio import TwilioCall
 from s2s_flow.node import Context, keep_shared, require
@@ -310,9 +311,9 @@ class RealtimeServer:
         self.metrics.observe(name, value)
 
 
-class _Connection:
-    """One WebSocket: its session's graph on its threads, the frames in to the client-event handlers,
-    the session's events out through a bounded queue."""
+class _Connection(Receiver):
+    """One WebSocket: its session's graph on its threads, the frames in to the client-event handlers
+    (receive.py's loop), the session's events out through a bounded queue."""
 
     def __init__(self, server: RealtimeServer, ws: Any, send: Any) -> None:
         self.server, self.ws, self._send = server, ws, send
@@ -326,6 +327,7 @@ class _Connection:
         self.session = Session(self._emit, SessionConfig(), observe=server.observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
+        self.heard_at = time.monotonic()  # the client's last event
 
     def shut(self, message: str, code: int = 1001, error: str = "server_shutting_down") -> None:
         """The server closes this session (on its loop): it is told with an error event, then closed."""
@@ -454,38 +456,6 @@ class _Connection:
                         "may hold its socket", self.session.id)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(tell(), CLOSE_GRACE_S)
-
-    async def _receive(self) -> None:
-        """Client events until the client leaves, stays idle too long, or the graph ends."""
-        idle = self.server.options.idle_timeout_s
-        recv: asyncio.Task | None = None
-        overflow = asyncio.ensure_future(self.overflow.wait())
-        ending = asyncio.ensure_future(self.ending.wait())
-        try:
-            while True:
-                if recv is None:
-                    closing = await self.rate.wait(self.session.send)
-                    if closing is not None:
-                        self.shut(closing, 1008, "rate_limited")
-                        return
-                    recv = asyncio.ensure_future(self.ws.receive())
-                finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=idle,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                if not finished:
-                    self.session.send(events.error("idle_timeout", f"no client event for {idle:g} s "
-                                                   "(io.idle_timeout_s): the session ends", type="server_error"))
-                    return
-                if recv not in finished:  # the graph ended (failed), the client stopped reading, the drain is over
-                    return
-                message, recv = recv.result(), None
-                if message["type"] == "websocket.disconnect":
-                    return
-                self.handlers.receive(message.get("text"))
-        finally:
-            overflow.cancel()
-            ending.cancel()
-            if recv is not None:
-                recv.cancel()
 
 
 def _transport(send: Any) -> Any:

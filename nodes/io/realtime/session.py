@@ -67,7 +67,7 @@ class Session(NodeHooks):
         self.asked: list[Response] = []  # response.create received, not yet begun by the source
         self.pending: list[Pending] = []  # user messages that wait for response.create
         self.deleted: set[str] = set()  # conversation.item.delete: items the LLM no longer sees
-        self.turn_items: dict[int, list[tuple[str, str | None]]] = {}  # LLM turn -> its user items
+        self.turn_items: dict[int, list[tuple[str, str | None, tuple[str, ...]]]] = {}  # LLM turn -> its user items
         self._holds: dict[int, bool] = {}
         self._replying: set[int] = set()  # user turns whose reply is not done (a barge-in cuts them)
         self._awaiting: set[int] = set()  # spoken turns committed, answered by themselves, no response yet
@@ -178,12 +178,13 @@ class Session(NodeHooks):
             else:
                 self.answering = turn
 
-    def user_text(self, item_id: str, text: str) -> None:
-        """``conversation.item.create`` of a user message: it waits for ``response.create``."""
+    def user_text(self, item_id: str, text: str, images: Sequence[str] = ()) -> None:
+        """``conversation.item.create`` of a user message (its words, its images' URLs): it waits for
+        ``response.create``."""
         previous = self.add_item(item_id)
         with self.lock:
-            self.pending.append(Pending(item_id, text=text, ready=True))
-        item = events.user_text_item(item_id, text)
+            self.pending.append(Pending(item_id, text=text, ready=True, images=list(images)))
+        item = events.user_text_item(item_id, text, images)
         self.send(events.item_added(item, previous))
         self.send(events.item_done(item, previous))
 
@@ -262,8 +263,8 @@ class Session(NodeHooks):
             self.responses[turn] = resp
             self.by_item[resp.item_id] = resp
             if resp.inputs:
-                self.turn_items[turn] = [(q.item_id, None if q.speech is not None and not q.text else q.text or "")
-                                         for q in resp.inputs]
+                self.turn_items[turn] = [(q.item_id, None if q.speech is not None and not q.text else q.text or "",
+                                          tuple(q.images)) for q in resp.inputs]
             self.send(events.response_created(resp.as_response("in_progress")))
 
     def active(self) -> bool:

@@ -125,8 +125,8 @@ class _Call:
         self.open_responses: set[str] = set()
         self.truncated: set[tuple[str, int]] = set()
         self.books = threading.Lock()  # the four above: the graph's threads and the event loop change them
-        self.heard_at = time.monotonic()  # the last client event or microphone frame
         super().__init__(server, self.channel, None)
+        self.begun = self.heard_at  # (heard_at: the last client event or microphone frame)
         self.handlers._handlers["output_audio_buffer.clear"] = self._client_clear
         self.task: asyncio.Task[None] | None = None
         pc.on("datachannel", self.channel.attach)
@@ -252,47 +252,16 @@ class _Call:
 
     # -- the session --------------------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        """Client events until the client hangs up, stays idle (no event, no audio) too long, or the
-        graph ends; a call whose data channel does not open in CONNECT_TIMEOUT_S is hung up."""
-        idle = self.server.options.idle_timeout_s
-        begun = time.monotonic()
-        recv: asyncio.Task | None = None
-        overflow = asyncio.ensure_future(self.overflow.wait())
-        ending = asyncio.ensure_future(self.ending.wait())
-        try:
-            while True:
-                if recv is None:
-                    closing = await self.rate.wait(self.session.send)
-                    if closing is not None:
-                        self.shut(closing, 1008, "rate_limited")
-                        return
-                    recv = asyncio.ensure_future(self.channel.receive())
-                wait = max(0.05, min(idle - (time.monotonic() - self.heard_at), CONNECT_TIMEOUT_S))
-                finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=wait,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                if not finished:
-                    if not self.channel.opened.is_set() and time.monotonic() - begun >= CONNECT_TIMEOUT_S:
-                        log.warning("session %s: the call's data channel did not open in %g s: hung up",
-                                    self.session.id, CONNECT_TIMEOUT_S)
-                        return
-                    if time.monotonic() - self.heard_at >= idle:
-                        self.session.send(events.error("idle_timeout", f"no client event or audio for {idle:g} s "
-                                                       "(io.idle_timeout_s): the session ends", type="server_error"))
-                        return
-                    continue
-                if recv not in finished:
-                    return
-                message, recv = recv.result(), None
-                if message["type"] == "websocket.disconnect":
-                    return
-                self.heard_at = time.monotonic()
-                self.handlers.receive(message.get("text"))
-        finally:
-            overflow.cancel()
-            ending.cancel()
-            if recv is not None:
-                recv.cancel()
+    CHECK_S = CONNECT_TIMEOUT_S
+
+    def _quiet(self) -> bool:
+        """A call whose data channel does not open in CONNECT_TIMEOUT_S is hung up; one that stays
+        quiet (no event, no audio: heard_at) ends as a WebSocket does (receive.py: the loop that asks)."""
+        if not self.channel.opened.is_set() and time.monotonic() - self.begun >= CONNECT_TIMEOUT_S:
+            log.warning("session %s: the call's data channel did not open in %g s: hung up",
+                        self.session.id, CONNECT_TIMEOUT_S)
+            return True
+        return super()._quiet()
 
     async def _drop(self, code: int, reason: str, error: dict[str, Any]) -> None:
         """A client that does not read its events: told if it still can be, and hung up."""
