@@ -4,7 +4,7 @@ Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls``
 sessions over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through
 Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
 sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
-client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route
+client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full, by count or load). Every route
 passes the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is
 admitted by count and by load (admission.py). Each connection builds a
 fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
@@ -217,7 +217,7 @@ class RealtimeServer:
         site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
                                  Route("/v1/realtime/calls", calls.create, methods=["POST"]),
                                  Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"]),
-                                 *self.drain.routes(lambda: self.open, self.options.max_sessions)])
+                                 *self.drain.routes(self.admission, self.metrics)])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
             self._loop = asyncio.get_running_loop()
