@@ -10,14 +10,16 @@ each new one makes one spoken turn (a prompt of the latency corpus at a micropho
 its reply is done), all at once, measured again. Each measure is of both processes: RSS, and PSS
 (``/proc/PID/smaps_rollup``: pages shared with another process count by share, so the two sum
 to what they cost the machine; but other processes mapping the same model files or libraries move
-it, on a shared machine) and USS (the pages private to the process: what a session allocates,
-whoever else runs). ``MB per extra session`` is (level - level 0) / sessions.
+it, on a shared machine) and anonymous memory (what the process allocated: heaps, arrays, the KV
+cache; not moved by whoever else maps the same files). ``MB per extra session`` is
+(level - level 0) / sessions.
 
 llama-server allocates the KV cache of all its slots when it starts, so the slots' share is not
 seen as sessions connect: it is measured apart, by starting llama-server alone with the slots of
 ``io.max_sessions`` = 1 and = the largest level (``-np 2`` and ``-np N+1``, 2048 tokens a slot),
 for each KV layout in ``KV_VARIANTS``; the difference per slot is what each session allowed for
-costs, idle or not. Figures on a shared machine are indicative: run it in a quiet window.
+costs, idle or not; with the largest, 4 chat requests at once time each layout (llama-server's
+own prompt and generation speeds). Figures on a shared machine are indicative: run it in a quiet window.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from typing import Any
 
 KV_VARIANTS = {  # llama-server arguments beside -c/-np: the layouts whose per-slot cost is measured
     "f16 (recipe)": [],
+    "f16, -fa on": ["-fa", "on"],
     "q8_0 K and V, -fa on": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
     "1024 tokens a slot": ["<ctx 1024>"],
 }
 PER_SLOT_CTX = 2048
-KEYS = ("rss", "pss", "uss")
+KEYS = ("rss", "pss", "anonymous")
 
 
 def free_port() -> int:
@@ -52,15 +55,14 @@ def free_port() -> int:
 
 
 def memory_mb(pid: int) -> dict[str, float]:
-    """RSS, PSS and USS (its private pages) of one process (MB), from /proc/PID/smaps_rollup."""
+    """RSS, PSS and anonymous memory (what it allocated) of one process (MB), /proc/PID/smaps_rollup."""
     fields = {}
     with open(f"/proc/{pid}/smaps_rollup") as fh:
         for line in fh:
             m = re.match(r"(\w+):\s+(\d+) kB", line)
             if m:
                 fields[m.group(1)] = int(m.group(2)) / 1024
-    uss = fields["Private_Clean"] + fields["Private_Dirty"]
-    return {"rss": round(fields["Rss"], 1), "pss": round(fields["Pss"], 1), "uss": round(uss, 1)}
+    return {k.lower(): round(fields[k], 1) for k in ("Rss", "Pss", "Anonymous")}
 
 
 def llama_child(pid: int) -> int | None:
@@ -163,16 +165,47 @@ def slot_cost(largest: int, out: Path) -> dict[str, Any]:
                 wait_http(f"http://127.0.0.1:{port}/v1/models", 60, proc)
                 time.sleep(1.0)
                 row[slots] = memory_mb(proc.pid)
+                if slots > 2:
+                    row["speed"] = speed(f"http://127.0.0.1:{port}/v1")
             finally:
                 proc.terminate()
                 proc.wait(10)
-            kv = re.findall(r"KV (?:self|buffer) size\s*=\s*([\d.]+) MiB", log.read_text())
-            row[f"kv_mib_{slots}"] = float(kv[-1]) if kv else None
         lo, hi = row[2], row[largest + 1]
         row["per_slot_mb"] = {k: round((hi[k] - lo[k]) / (largest - 1), 1) for k in KEYS}
         results[name] = row
         print(f"llama-server {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
     return results
+
+
+def speed(base_url: str, at_once: int = 4, rounds: int = 2) -> dict[str, float]:
+    """``at_once`` chat requests at once (a conversation of a few turns each, 48 tokens of reply),
+    ``rounds`` times (the first a warm-up): llama-server's own prompt and generation speeds, the
+    mean over the last round's requests, and its wall time."""
+    import httpx
+
+    history = []
+    for q, a in (("What is the capital of France?", "The capital of France is Paris."),
+                 ("And how many people live there?", "About two million people live in Paris itself."),
+                 ("What is it famous for?", "It is famous for the Eiffel Tower, the Louvre and its food.")):
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+    def one(k: int) -> dict[str, float]:
+        body = {"messages": [{"role": "system", "content": "You are a helpful voice assistant. Answer briefly."},
+                             *history, {"role": "user", "content": f"Tell me one more fact, number {k}."}],
+                "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=120, trust_env=False) as client:
+            return client.post(f"{base_url}/chat/completions", json=body).json()["timings"]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    for _ in range(rounds):
+        start = time.monotonic()
+        with ThreadPoolExecutor(at_once) as pool:
+            timings = list(pool.map(one, range(at_once)))
+        wall = time.monotonic() - start
+    return {"prompt_tok_s": round(sum(t["prompt_per_second"] for t in timings) / at_once, 1),
+            "gen_tok_s": round(sum(t["predicted_per_second"] for t in timings) / at_once, 1),
+            "wall_s": round(wall, 2)}
 
 
 def main(argv: list[str]) -> None:
@@ -233,17 +266,17 @@ def cpu_model() -> str:
 
 def table(report: dict[str, Any]) -> str:
     lines = [f"{report['cpu']}, load {report['load_before']:.2f} -> {report['load_after']:.2f}",
-             "sessions | state      | server RSS/PSS/USS MB | llama RSS/PSS/USS MB | per extra session, "
-             "USS (PSS) MB: server, llama, total"]
+             "sessions | state      | server RSS/PSS/anon MB | llama RSS/PSS/anon MB | per extra session, "
+             "anon (PSS) MB: server, llama, total"]
     for n, row in report["levels"].items():
         for state in ("idle", "after_turn"):
             m = row[state]
             per = report["mb_per_extra_session"].get(n, {}).get(state)
-            tail = ", ".join(f"{per[p]['uss']} ({per[p]['pss']})" for p in ("server", "llama", "total")) if per else "-"
+            procs = ("server", "llama", "total")
+            tail = ", ".join(f"{per[p]['anonymous']} ({per[p]['pss']})" for p in procs) if per else "-"
             mem = " | ".join("/".join(f"{m[p][k]:.0f}" for k in KEYS) for p in ("server", "llama"))
             lines.append(f"{n:>8} | {state:<10} | {mem} | {tail}")
-    top = f"kv_mib_{report['llama_slots']}"
     for name, row in (report.get("llama_server_per_slot") or {}).items():
-        lines.append(f"llama-server {name}: {row['per_slot_mb']['uss']} MB USS per slot "
-                     f"(KV {row.get('kv_mib_2')} -> {row.get(top)} MiB)")
+        lines.append(f"llama-server {name}: per slot {row['per_slot_mb']['anonymous']} MB anonymous, "
+                     f"{row['per_slot_mb']['rss']} MB RSS; 4 requests at once: {row.get('speed')}")
     return "\n".join(lines)
