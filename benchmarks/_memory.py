@@ -7,7 +7,9 @@ its own (never a llama-server someone else left on :8091). A first session makes
 and leaves (what the first turn of a process loads once is not a session's). Then, level by level,
 sessions are opened up to the level and left idle (their graphs built and set up), measured; then
 each new one makes one spoken turn (a prompt of the latency corpus at a microphone's pace, until
-its reply is done), all at once, measured again. Each measure is of both processes: RSS, and PSS
+its reply is done), all at once, measured again. Last (``N again``), all are closed and as many new
+ones open and speak in the same groups: memory that does not grow again is the process's (what it
+kept of its busiest moment, reused), not the sessions'. Each measure is of both processes: RSS, and PSS
 (``/proc/PID/smaps_rollup``: pages shared with another process count by share, so the two sum
 to what they cost the machine; but other processes mapping the same model files or libraries move
 it, on a shared machine) and anonymous memory (what the process allocated: heaps, arrays, the KV
@@ -125,6 +127,21 @@ async def sessions_run(url: str, levels: list[int], prompts: list[Any], settle_s
         await asyncio.sleep(settle_s)
         out[str(n)] = {"idle": idle, "after_turn": measure(*pids), "answered": answered}
         print(f"{n} session(s): {json.dumps(out[str(n)])}", file=sys.stderr, flush=True)
+    # all closed, and as many new ones, speaking in the same groups: what the first ones left
+    # behind (a session's own memory) against what the process kept and reuses (its peak's)
+    for ws in open_:
+        await ws.close()
+    await asyncio.sleep(settle_s)
+    open_ = [await open_session(url) for _ in open_]
+    await asyncio.sleep(settle_s)
+    idle, done = measure(*pids), 0
+    for n in levels:
+        group = open_[done:n]
+        answered += sum(await asyncio.gather(*(turn(ws, done + i) for i, ws in enumerate(group))))
+        done = n
+    await asyncio.sleep(settle_s)
+    out[f"{len(open_)} again"] = {"idle": idle, "after_turn": measure(*pids), "answered": answered}
+    print(f"{len(open_)} new session(s) after closing: {json.dumps(out[f'{len(open_)} again'])}", file=sys.stderr)
     for ws in open_:
         await ws.close()
     return out
@@ -138,7 +155,7 @@ def per_session(levels: dict[str, Any]) -> dict[str, Any]:
     for n, row in levels.items():
         if n == "0":
             continue
-        rows[n] = {state: {proc: {k: round((row[state][proc][k] - base["idle"][proc][k]) / int(n), 1)
+        rows[n] = {state: {proc: {k: round((row[state][proc][k] - base["idle"][proc][k]) / int(n.split()[0]), 1)
                                   for k in KEYS} for proc in ("server", "llama", "total")}
                    for state in ("idle", "after_turn")}
     return rows
