@@ -1,28 +1,37 @@
 """io=realtime under abuse: a normal session's voice-to-voice with and without each abuse beside it,
 and the server's RSS and thread count before and after.
 
-Run: python benchmarks/bench_abuse.py [--prompts 6] [--abuse idle flood frames storm stall] [override ...]
-     (a real `s2s-run recipe=local_cpu io=realtime` process with its managed llama-server; ~5 min on 2 cores)
+Run: python benchmarks/bench_abuse.py [--prompts 6] [--abuse none idle flood frames storm stall none] [override ...]
+     (a real `s2s-run recipe=local_cpu io=realtime` process with its managed llama-server; ~10 min on 2 cores)
 
 The server is its own process (its RSS and threads are read with psutil); the normal client plays
 the bench=latency corpus at a microphone's pace (benchmarks/bench_realtime.py's client) and measures
 voice-to-voice (first reply audio received - the prompt's true end of speech); refused for want of a
 slot (the abuser's connections hold them), it retries, and the refusals are counted. Each abuser runs in a
-process of its own meanwhile, for as long as the normal client plays:
+process of its own meanwhile, for as long as the normal client plays, from loopback addresses of its
+own (127.0.0.2, the idle connections 127.0.0.10-29; the normal client is 127.0.0.1), so that the
+per-address limits (io.client_limits, exempt=[] here) judge it as a client of its own:
 
 - idle:   20 connections that never send anything (closed by io.idle_timeout_s, set to 5 s here)
 - flood:  one client sending 1,000 small events a second (read at io.max_events_per_s, told once)
 - frames: 10 MB frames, one after another, reconnecting after each close (1009: message too big)
-- storm:  200 connections in 10 s (up to 32 at once), each opened, its first event read, closed
-          (sessions, or session_limit_reached past io.max_sessions, 24 here)
-- stall:  a client that asks for a long reply and stops reading (send_queue_full at io.max_queued_bytes,
-          1 MiB here: ~12 s of reply audio)
+- storm:  200 connections in 10 s from one address (up to 32 at once), each opened, its first event
+          read, closed (sessions, or client_rate_limited / client_session_limit past io.client_limits,
+          or session_limit_reached past io.max_sessions, 24 here)
+- stall:  a client that asks for a long reply every 2 s and never reads: with recipe=local_cpu's
+          llm.max_tokens=96 the reply's events (~190 kB) fit in io.max_queued_bytes (256 KiB here)
+          and the kernel's buffers, so its reply stays active (further asks are answered
+          conversation_already_has_active_response) and it is closed by io.idle_timeout_s once it
+          stops sending; a smaller queue (64 KiB) cut the normal client too. send_queue_full and
+          its 1008 are tested in tests/test_realtime_turns.py (llm.max_tokens=200, 64 KiB)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads, and
 the CPU seconds the phase cost the server (with its llama-server) and the abuser: on a machine
-of few cores the abuser's own work (a 10 MB frame built and masked, 200 handshakes) competes with
-the server's. Each abuser prints what it was answered. On a shared machine the figures are indicative only: run it
-in a quiet window.
+of few cores the abuser's own work (a 10 MB frame built and masked, 200 handshakes) would compete
+with the server's, so it runs at nice 19, as if on a machine of its own. Each abuser prints what
+it was answered. The phases "none" (by default the first and the last) measure the noise: the
+spread of their medians is what an abuse may move the normal session's voice-to-voice by without
+it meaning anything. On a shared machine the figures are indicative only: run it in a quiet window.
 """
 
 from __future__ import annotations
@@ -48,12 +57,15 @@ from benchmarks.bench_realtime import RATE, corpus, one_prompt, p  # noqa: E402
 from tests.support.realtime_process import free_port, get, realtime_process  # noqa: E402
 
 ABUSES = ("idle", "flood", "frames", "storm", "stall")
+ABUSER = "127.0.0.2"  # the abusers' own loopback address (Linux answers all of 127.0.0.0/8)
 STORY = "Tell me a long story about a dragon who learns to cook, with every step of every recipe."
 
 
-def _sync(url: str, **kwargs: Any) -> Any:
+def _sync(url: str, source: str = ABUSER, **kwargs: Any) -> Any:
     from websockets.sync.client import connect
 
+    if "sock" not in kwargs:
+        kwargs["source_address"] = (source, 0)
     return connect(f"{url}/realtime", open_timeout=30, **kwargs)
 
 
@@ -77,14 +89,56 @@ def _until_closed(ws: Any, timeout: float = 60) -> tuple[list[str], int | None]:
         return kinds, None
 
 
+def _stalled(url: str, ask: list[str], end: float) -> tuple[list[str], int | None]:
+    """A client that asks for a long reply every 2 s and never reads (sans-I/O websockets on a raw
+    socket: a client library's reader would read, or stop its sends with its reads). Then what it
+    had been sent: the events' kinds (error codes) and the close code."""
+    from websockets.client import ClientProtocol
+    from websockets.frames import Opcode
+    from websockets.uri import parse_uri
+
+    proto = ClientProtocol(parse_uri(f"{url}/realtime"), max_size=None)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.bind((ABUSER, 0))
+    host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
+    sock.connect((host, int(port)))
+    proto.send_request(proto.connect())
+    sock.sendall(b"".join(proto.data_to_send()))
+    events: list[Any] = []
+    while not any(getattr(e, "opcode", None) is Opcode.TEXT for e in events):  # the handshake, session.created
+        proto.receive_data(sock.recv(65536))
+        events += proto.events_received()
+    try:
+        while time.monotonic() < end:  # nothing read: the kernel's buffers fill, then the server's queue
+            for text in ask:
+                proto.send_text(text.encode())
+            sock.sendall(b"".join(proto.data_to_send()))
+            time.sleep(2.0)
+    except OSError:  # dropped by the server
+        pass
+    sock.settimeout(30)
+    with contextlib.suppress(OSError):
+        while data := sock.recv(1 << 20):
+            proto.receive_data(data)
+            events += proto.events_received()
+    sock.close()
+    kinds = []
+    for e in events:
+        if getattr(e, "opcode", None) is Opcode.TEXT:
+            event = json.loads(e.data)
+            kinds.append(event["error"]["code"] if event["type"] == "error" else event["type"])
+    return kinds, proto.close_rcvd.code if proto.close_rcvd is not None else None
+
+
 def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
     """One abuser, for ``seconds``: what the server answered it."""
     end = time.monotonic() + seconds
     if kind == "idle":
         from concurrent.futures import ThreadPoolExecutor
 
-        def idle(_: int) -> tuple[list[str], int | None]:
-            with _sync(url) as ws:
+        def idle(i: int) -> tuple[list[str], int | None]:
+            with _sync(url, f"127.0.0.{10 + i}") as ws:
                 return _until_closed(ws, timeout=seconds + 60)
 
         with ThreadPoolExecutor(20) as pool:
@@ -144,21 +198,8 @@ def abuse(kind: str, url: str, seconds: float) -> dict[str, Any]:
         ask = [json.dumps({"type": "conversation.item.create", "item": item}), json.dumps({"type": "response.create"})]
         results: Counter[str] = Counter()
         while time.monotonic() < end:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
-            sock.connect((host, int(port)))
-            with _sync(url, sock=sock, max_queue=1) as ws:
-                _first(ws)
-                try:  # a long reply asked for every 2 s, and nothing read: the kernel's buffers fill, then the queue
-                    while time.monotonic() < end:
-                        for text in ask:
-                            ws.send(text)
-                        time.sleep(2.0)
-                except Exception:  # closed by the server
-                    pass
-                kinds, code = _until_closed(ws, timeout=30)
-                results[f"{kinds[-1] if kinds else '-'}/{code}"] += 1
+            kinds, code = _stalled(url, ask, end)
+            results[f"{kinds[-1] if kinds else '-'}/{code}"] += 1
         return {"stalled_clients": sum(results.values()), "last_event/close": dict(results)}
     raise SystemExit(f"unknown abuse {kind!r}: one of {', '.join(ABUSES)}")
 
@@ -188,9 +229,11 @@ async def normal_session(url: str, prompts: list[tuple[np.ndarray, float]], refu
     v2v = []
     for pcm, end_s in prompts:
         while True:
-            async with websockets.connect(f"{url}/realtime", max_size=None, open_timeout=60) as ws:
-                if '"session.created"' not in await ws.recv():
+            async with websockets.connect(f"{url}/realtime", max_size=None, open_timeout=60,
+                                          local_addr=("127.0.0.1", 0)) as ws:
+                if '"session.created"' not in (first := await ws.recv()):
                     refused["normal_session_refused"] += 1
+                    refused[f"normal_refused:{json.loads(first).get('error', {}).get('code')}"] += 1
                     await asyncio.sleep(0.2)
                     continue
                 turn = await one_prompt(ws, pcm, end_s, forget=False)
@@ -203,13 +246,17 @@ async def normal_session(url: str, prompts: list[tuple[np.ndarray, float]], refu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6, help="the corpus' prompts the normal session plays per phase")
-    ap.add_argument("--abuse", nargs="+", default=list(ABUSES), choices=ABUSES)
+    ap.add_argument("--abuse", nargs="+", default=["none", *ABUSES, "none"], choices=["none", *ABUSES],
+                    help="the phases, in order; 'none': the normal session alone (twice or more: the noise)")
     ap.add_argument("--abuser", nargs=3, metavar=("KIND", "URL", "SECONDS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-abuse-")))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.abuser:
+        import os
         import resource
+
+        os.nice(19)  # the abuser would be another machine: it takes what the server leaves idle
 
         kind, url, seconds = args.abuser
         answered = abuse(kind, url, float(seconds))
@@ -226,13 +273,21 @@ def main() -> None:
         pcm, rate = sf.read(directory / e["file"], dtype="float32")
         prompts.append((resample(pcm, rate, RATE), float(e["speech_end_s"])))
     play_s = sum(len(pcm) / RATE + 3 for pcm, _ in prompts)
+    # admission by count only (io.target_ms=null): by load, a small machine whose replies start over
+    # 1 s after the user stops refuses the abusers' sessions (session_limit_reached) and the abuse
+    # is never met; here each abuser reaches a session, so each limit is what stops it
     overrides = [f"llm.base_url=http://127.0.0.1:{free_port()}/v1", "io.idle_timeout_s=5", "io.max_sessions=24",
-                 "io.max_queued_bytes=1048576", *args.overrides]
+                 "io.target_ms=null",
+                 "io.max_queued_bytes=262144", *args.overrides]
+    if "client_limits" in (Path(__file__).resolve().parents[1] / "conf/io/realtime.yaml").read_text():
+        overrides.insert(0, "io.client_limits.exempt=[]")  # loopback is exempt as shipped
     rows = []
     with realtime_process(args.out, *overrides) as served:
-        asyncio.run(normal_session(served.url, prompts[:1], Counter()))  # warm: first turns, pools
+        # warm: first turns, pools, and each prompt once (llama-server's prompt cache: the first phase
+        # to play a prompt would be slower than the ones after it)
+        asyncio.run(normal_session(served.url, prompts, Counter()))
         settle(served)
-        for phase in ["none", *args.abuse]:
+        for phase in args.abuse:
             before = server_figures(served.proc.pid)
             abuser = None
             if phase != "none":
@@ -256,6 +311,15 @@ def main() -> None:
         print(f"| {r['abuse']} | {r['turns']} | {r['v2v_p50_ms']} / {r['v2v_p95_ms']} | "
               f"{r['rss_mb_before']} / {r['rss_mb_after']} | {r['threads_before']} / {r['threads_after']} | "
               f"{r['server_cpu_s']} / {r['answered'].get('abuser_cpu_s', '-')} |")
+    quiet = [r["v2v_p50_ms"] for r in rows if r["abuse"] == "none" and r["turns"]]
+    if len(quiet) > 1:
+        print(f"\nnoise (the no-abuse phases' v2v p50): {min(quiet)} - {max(quiet)} ms, "
+              f"spread {round(max(quiet) - min(quiet), 1)} ms")
+        for r in rows:
+            if r["abuse"] != "none" and r["turns"]:
+                v = r["v2v_p50_ms"]
+                off = round(v - max(quiet) if v > max(quiet) else min(v - min(quiet), 0), 1)
+                print(f"  {r['abuse']}: p50 {v} ms, " + ("within the noise" if not off else f"{off:+} ms beyond it"))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """io=realtime's browser page in a real headless Chromium, a WAV file as its microphone.
 
-Chromium (Debian package ``chromium``) opens the page the server serves at ``/``; its fake
-capture device plays a spoken question; the test reads the page's state over the DevTools
-protocol until the page shows the user's transcript and has played reply audio.
+Chromium (Debian package ``chromium``) opens the page the server serves at ``/`` over its
+WebSocket link (``?transport=websocket``: PCM16 events; the app's WebRTC link and the rest of it:
+tests/test_realtime_app.py); its fake capture device plays a spoken question; the test reads the
+page's state over the DevTools protocol until the page shows the user's transcript and has played
+reply audio.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def test_the_browser_page_hears_the_microphone_and_plays_the_reply(llama, tmp_pa
         [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
          "--remote-debugging-port=0", "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
          f"--use-file-for-fake-audio-capture={wav}%noloop", "--autoplay-policy=no-user-gesture-required",
-         page_url + "?autostart=1"],
+         page_url + "?autostart=1&transport=websocket"],
         stdout=subprocess.DEVNULL, stderr=log.open("wb"))  # a file: a pipe nobody reads would fill and block it
     try:
         deadline = time.monotonic() + 180

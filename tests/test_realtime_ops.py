@@ -1,7 +1,8 @@
 """io=realtime in operation: who may connect (Origin, Host), health and readiness, draining, and the
-abuse a public server meets (a client that floods events, sends a 10 MB frame, a reconnect storm),
-against the real offline stack. The signals themselves (SIGTERM to a real ``s2s-run``) are in
-test_realtime_drain.py; the idle client and the one that stops reading in test_realtime(_turns).py.
+abuse a public server meets (a client that floods events, sends a 10 MB frame, a reconnect storm,
+one address that takes many sessions), against the real offline stack. The signals themselves
+(SIGTERM to a real ``s2s-run``) are in test_realtime_drain.py; the idle client and the one that
+stops reading in test_realtime(_turns).py.
 """
 
 from __future__ import annotations
@@ -285,3 +286,89 @@ def test_a_reconnect_storm_gets_sessions_or_clean_refusals_and_leaves_nothing_be
             return [t.name for t in threading.enumerate() if t.ident not in before]
 
         until(lambda: not new_threads(), what=lambda: f"the storm's threads to end: {new_threads()}")
+
+
+# -- limits per client address (io.client_limits, io.trusted_proxies) ------------------------------
+
+
+def _from(url: str, address: str, forwarded_for: str | None = None) -> Any:
+    """A client from its own loopback address (Linux answers all of 127.0.0.0/8), optionally through a
+    proxy that says whom it forwards."""
+    headers = {"X-Forwarded-For": forwarded_for} if forwarded_for else None
+    return _raw(url, source_address=(address, 0), additional_headers=headers)
+
+
+def _answer(ws: Any) -> str:
+    first = _next(ws)
+    return first["type"] if first["type"] != "error" else first["error"]["code"]
+
+
+def _refused(ws: Any) -> tuple[dict, int | None]:
+    """The error a refused client is told, and the close code that follows it."""
+    error = _next(ws, "error")["error"]
+    return error, _closed_code(ws)
+
+
+def test_one_address_holds_at_most_its_sessions_and_a_trusted_proxy_names_its_clients(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.client_limits.max_sessions=1", "io.client_limits.connects_per_s=0",
+                 "io.client_limits.exempt=[]", "io.trusted_proxies=[127.0.0.1]") as (url, server):
+        refused = server.metrics.registry.get_sample_value
+        with _from(url, "127.0.0.2") as first, _from(url, "127.0.0.3") as other:
+            assert _answer(first) == "session.created" and _answer(other) == "session.created"
+            with _from(url, "127.0.0.2") as second:
+                error, code = _refused(second)
+                assert error["code"] == "client_session_limit" and code == 1008
+                assert "127.0.0.2" in error["message"] and "io.client_limits.max_sessions=1" in error["message"]
+            with _from(url, "127.0.0.2", forwarded_for="203.0.113.7") as spoofed:  # not a trusted proxy
+                assert _refused(spoofed)[0]["code"] == "client_session_limit", "its X-Forwarded-For is ignored"
+            with _from(url, "127.0.0.1", forwarded_for="203.0.113.7") as proxied:
+                assert _answer(proxied) == "session.created", "the proxy's client counts, not the proxy"
+                with _from(url, "127.0.0.1", forwarded_for="198.51.100.1, 203.0.113.7") as again:
+                    error, code = _refused(again)
+                    assert "203.0.113.7" in error["message"] and code == 1008, "the last hop the proxy names"
+                with _from(url, "127.0.0.1", forwarded_for="203.0.113.8") as third:
+                    assert _answer(third) == "session.created"
+            assert server.sessions_run == 4, "the refused connections built no session"
+            assert refused("s2s_sessions_refused_total", {"reason": "client_session_limit"}) == 3
+        until(lambda: server.open == 0, what="the sessions to end")
+        with _from(url, "127.0.0.2") as later:
+            assert _answer(later) == "session.created", "a session closed frees its address's place"
+
+
+def test_a_reconnect_storm_from_one_address_is_refused_before_any_session_is_built(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.client_limits.connects_per_s=0.001", "io.client_limits.exempt=[]",
+                 "io.max_sessions=8") as (url, server):  # one at once, then one per 1,000 s
+        with _from(url, "127.0.0.2") as warm:  # the first session's threads and pools, before counting
+            assert _answer(warm) == "session.created"
+        until(lambda: server.open == 0, what="the first session to end")
+        before = {t.ident for t in threading.enumerate()}
+        with _from(url, "127.0.0.2") as next_one:
+            error, code = _refused(next_one)
+            assert error["code"] == "client_rate_limited" and code == 1013, "try again later"
+            assert "io.client_limits.connects_per_s=0.001" in error["message"]
+
+        def connect(_: int) -> str:
+            with _from(url, "127.0.0.2") as ws:
+                return _answer(ws)
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(connect, range(100)))
+        assert set(answers) == {"client_rate_limited"}, set(answers)
+        with _from(url, "127.0.0.3") as other:
+            assert _answer(other) == "session.created", "another address is not limited by the first's storm"
+        assert server.sessions_run == 2, "the storm built no session"
+        refused = server.metrics.registry.get_sample_value
+        assert refused("s2s_sessions_refused_total", {"reason": "client_rate_limited"}) == 101
+        assert 's2s_sessions_refused_total{reason="client_rate_limited"} 101.0' in server.metrics.text().decode()
+        until(lambda: server.open == 0 and not server.sessions, what="every session to end")
+
+        def new_threads() -> list[str]:
+            return [t.name for t in threading.enumerate() if t.ident not in before]
+
+        until(lambda: not new_threads(), what=lambda: f"the storm's threads to end: {new_threads()}")
+
+
+def test_loopback_clients_are_exempt_as_shipped(llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path, "io.client_limits.max_sessions=1") as (url, _), \
+            _from(url, "127.0.0.2") as first, _from(url, "127.0.0.2") as second:
+        assert _answer(first) == "session.created" and _answer(second) == "session.created"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -129,11 +130,8 @@ class EspeakTTS(SentenceTTS):
     shared_safety = "locked: libespeak-ng has global state; one engine per process, every call holds _LOCK"
 
     def __init__(self, *, voice: str = "en-us", rate: int = 175, pitch: int = 50,
-                 sample_rate: int | None = None, first_clause_words: int = 0, first_clause_max_words: int = 0,
-                 max_words: int = 0, threads: int | str = 0, lead_s: float = 1.5) -> None:
-        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads, lead_s=lead_s)
+                 **options: Any) -> None:
+        super().__init__(**options)
         if not 80 <= rate <= 450:
             raise ConfigError(f"tts.rate={rate}: espeak-ng speaks 80 to 450 words per minute; "
                               "pick one in that range (default 175).")

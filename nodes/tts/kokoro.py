@@ -40,16 +40,9 @@ class KokoroTTS(SentenceTTS):
         lang_code: str = "a",
         speed: float = 1.0,
         device: str = "cpu",
-        sample_rate: int | None = None,
-        first_clause_words: int = 0,
-        first_clause_max_words: int = 0,
-        max_words: int = 0,
-        threads: int | str = 0,
-        lead_s: float = 1.5,
+        **options: Any,  # SentenceTTS's: sample_rate, first_clause_words, ... (conf/tts/*.yaml)
     ) -> None:
-        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads, lead_s=lead_s)
+        super().__init__(**options)
         if lang_code not in _LANG_CODES or len(lang_code) != 1:
             raise ConfigError(f"tts.lang_code={lang_code!r}: Kokoro knows a (US English), b (UK English), "
                               "e, f, h, i, j, p, z; a voice's first letter names its language (af_heart: a).")

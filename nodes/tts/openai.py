@@ -102,16 +102,9 @@ class OpenAITTS(SentenceTTS):
         connect_timeout: float = 5.0,
         read_timeout: float = 30.0,
         max_retries: int = 3,
-        sample_rate: int | None = None,
-        first_clause_words: int = 0,
-        first_clause_max_words: int = 0,
-        max_words: int = 0,
-        threads: int | str = 0,
-        lead_s: float = 1.5,
+        **options: Any,  # SentenceTTS's: sample_rate, first_clause_words, ... (conf/tts/*.yaml)
     ) -> None:
-        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads, lead_s=lead_s)
+        super().__init__(**options)
         if response_format not in _FORMATS:
             raise ConfigError(f"tts.response_format={response_format!r}: choose pcm (raw 16-bit, lowest "
                               "latency) or wav (the server's own rate is read from the header).")

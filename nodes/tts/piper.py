@@ -59,16 +59,9 @@ class PiperTTS(SentenceTTS):
         noise_scale: float | None = None,
         noise_w_scale: float | None = None,
         volume: float = 1.0,
-        sample_rate: int | None = None,
-        first_clause_words: int = 0,
-        first_clause_max_words: int = 0,
-        max_words: int = 0,
-        threads: int | str = 0,
-        lead_s: float = 1.5,
+        **options: Any,  # SentenceTTS's: sample_rate, first_clause_words, ... (conf/tts/*.yaml)
     ) -> None:
-        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads, lead_s=lead_s)
+        super().__init__(**options)
         if voice is not None:
             onnx = Path(voice).expanduser()
             if onnx.suffix != ".onnx" or not onnx.is_file():

@@ -59,16 +59,9 @@ class Qwen3TTS(SentenceTTS):
         backend: str = "auto",
         quant: str = "BF16",
         chunk_frames: int = 4,
-        sample_rate: int | None = None,
-        first_clause_words: int = 0,
-        first_clause_max_words: int = 0,
-        max_words: int = 0,
-        threads: int | str = 0,
-        lead_s: float = 1.5,
+        **options: Any,  # SentenceTTS's: sample_rate, first_clause_words, ... (conf/tts/*.yaml)
     ) -> None:
-        super().__init__(sample_rate=sample_rate, first_clause_words=first_clause_words,
-                         first_clause_max_words=first_clause_max_words, max_words=max_words,
-                         threads=threads, lead_s=lead_s)
+        super().__init__(**options)
         if backend not in _BACKENDS:
             raise ConfigError(f"tts.backend={backend!r}: choose cuda (faster-qwen3-tts, NVIDIA GPU), mlx "
                               "(mlx-audio, Apple Silicon), ggml (qwentts.cpp) or auto (mlx on Apple Silicon, "

@@ -111,6 +111,8 @@ class RealtimeSource(Node):
         drain_timeout_s: float = 30.0,
         allowed_origins: Any = (),
         allowed_hosts: Any = (),
+        client_limits: Mapping[str, Any] | None = None,
+        trusted_proxies: Any = (),
         rate: int = 16000,
         chunk_ms: int = 20,
         webrtc: Mapping[str, Any] | None = None,
@@ -145,6 +147,9 @@ class RealtimeSource(Node):
                               "finish after SIGTERM)")
         self.allowed_origins = _strings("io.allowed_origins", allowed_origins)
         self.allowed_hosts = _strings("io.allowed_hosts", allowed_hosts)
+        from nodes.io.realtime.clients import settings
+
+        self.client_limits = settings(client_limits, trusted_proxies)
         if not 5 <= chunk_ms <= 200:
             raise ConfigError(f"io.chunk_ms={chunk_ms} must be between 5 and 200 ms")
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None

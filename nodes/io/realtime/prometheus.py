@@ -25,10 +25,11 @@ class ServerMetrics:
         self.turns = prom.Counter("s2s_turns", "Replies completed", registry=self.registry)
         self.dropped = prom.Counter("s2s_sessions_dropped", "Sessions the server closed", ["reason"],
                                     registry=self.registry)
-        self.refused = prom.Counter("s2s_sessions_refused", "Connections refused: by io.max_sessions (count) or "
-                                    "because the sessions open are already slower than io.target_ms (load)",
+        self.refused = prom.Counter("s2s_sessions_refused", "Connections refused: by io.max_sessions (count), "
+                                    "because the sessions open are already slower than io.target_ms (load), or "
+                                    "by io.client_limits (client_session_limit, client_rate_limited)",
                                     ["reason"], registry=self.registry)
-        for reason in ("count", "load"):
+        for reason in ("count", "load", "client_session_limit", "client_rate_limited"):
             self.refused.labels(reason)
         self.registry.register(InferenceCollector())
         self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "

@@ -1,16 +1,15 @@
 """The ``io=realtime`` server: Starlette on uvicorn (``websockets``), one graph per connection.
 
-Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same
-sessions over WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through
-Twilio Media Streams, translated to a Realtime session's events: twilio.py), ``/metrics`` (Prometheus text:
-sessions open and refused, turns, voice-to-voice, the shared models' queues), ``/`` (a browser
-client), ``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full, by count or load). Every route
-passes the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is
-admitted by count and by load (admission.py). Each connection builds a
-fresh graph from the composed config (cheap: ``__init__`` only), gives it its session (the
-source and sink take it from ``ctx.session``; the session finds its VAD, TTS and LLM), and runs
-it with its own Scheduler on its own threads; models come from the process-wide cache
-(``Node.shared()``), kept warm here for the server's lifetime.
+Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls`` (the same sessions over
+WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through Twilio Media Streams, translated to a Realtime
+session's events: twilio.py), ``/metrics`` (Prometheus text: sessions open and refused, turns, voice-to-voice,
+the shared models' queues), ``/`` (the browser app: ``web/page.html``, its files under ``/web/``),
+``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full, by count or load). Every route passes
+the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is admitted per client address
+(clients.py), by count and by load (admission.py). Each connection builds a fresh graph from the composed
+config (cheap: ``__init__`` only), gives it its session (the source and sink take it from ``ctx.session``; the
+session finds its VAD, TTS and LLM), and runs it with its own Scheduler on its own threads; models come from
+the process-wide cache (``Node.shared()``), kept warm here for the server's lifetime.
 
 The transport moves text: frames in to the client-event handlers (client_events.py), the
 session's encoded events out. What waits for a client is bounded: its events in
@@ -35,9 +34,10 @@ from typing import Any, Protocol
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.admission import Admission
 from nodes.io.realtime.client_events import ClientEvents
+from nodes.io.realtime.clients import ClientLimits, Refusal
 from nodes.io.realtime.drain import Drain, drainable_server
 from nodes.io.realtime.guard import Guard
-from nodes.io.realtime.limits import EventRate
+from nodes.io.realtime.limits import EventRate, trim_memory_soon
 from nodes.io.realtime.prometheus import ServerMetrics
 from nodes.io.realtime.protocol import SessionConfig
 from nodes.io.realtime.session import Session
@@ -47,7 +47,7 @@ from s2s_flow.node import Context, keep_shared, require
 __all__ = ["RealtimeServer"]
 
 log = logging.getLogger("s2s_flow.realtime")
-PAGE = Path(__file__).with_name("page.html")
+WEB = Path(__file__).with_name("web")  # the browser app: page.html, app.js, app.css, worklets.js
 CLOSE_GRACE_S = 5.0  # a client closed for not reading gets this long to read its error and the close
 
 
@@ -90,6 +90,7 @@ class ServerOptions(Protocol):
     drain_timeout_s: float
     allowed_origins: list[str]
     allowed_hosts: list[str]
+    client_limits: Any  # clients.ClientLimitSettings
     ice_servers: list[dict[str, Any]]
     twilio_voice: str | None
     twilio_instructions: str | None
@@ -105,17 +106,15 @@ class RealtimeServer:
 
     def __init__(self, make_graph: Callable[[], Any], options: ServerOptions, run_dir: Path | str,
                  *, console: Any = None, sock: socket.socket | None = None) -> None:
-        require("starlette", "serve")
-        require("uvicorn", "serve")
-        require("websockets", "serve")
+        for module in ("starlette", "uvicorn", "websockets"):
+            require(module, "serve")
         self.make_graph, self.options, self.run_dir = make_graph, options, Path(run_dir)
         self.console = console
         self.metrics = ServerMetrics()
         self.admission = Admission(sessions=lambda: self.open, max_sessions=options.max_sessions,
                                    target_ms=options.target_ms, policy=options.admission,
                                    wait_s=options.admission_wait_s)
-        self.open = 0
-        self.sessions_run = 0
+        self.open = self.sessions_run = 0  # sessions open now, and since the start
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
         self._sock = sock
         self._server: Any = None
@@ -124,6 +123,7 @@ class RealtimeServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.guard = Guard(options.host, options.allowed_origins, options.allowed_hosts)
         self.drain = Drain(options.drain_timeout_s)
+        self.clients = ClientLimits(options.client_limits)
         self.app = self._app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -133,7 +133,8 @@ class RealtimeServer:
 
         o = self.options
         config = uvicorn.Config(self.app, host=o.host, port=o.port, ws="websockets-sansio", lifespan="off",
-                                log_level="warning", ws_max_size=4 * o.max_frame_bytes, ws_ping_interval=None)
+                                log_level="warning", ws_max_size=4 * o.max_frame_bytes, ws_ping_interval=None,
+                                forwarded_allow_ips=o.client_limits.proxies)  # X-Forwarded-For: clients.py
         return drainable_server(config, self.drain)
 
     def preload(self) -> None:
@@ -199,22 +200,23 @@ class RealtimeServer:
 
     def _app(self) -> Any:
         from starlette.applications import Starlette
-        from starlette.responses import HTMLResponse, Response
-        from starlette.routing import Route
+        from starlette.responses import FileResponse, Response
+        from starlette.routing import Mount, Route
+        from starlette.staticfiles import StaticFiles
+        from starlette.websockets import WebSocket
 
         from nodes.io.realtime.webrtc import WebRTCCalls
 
         calls = self.calls = WebRTCCalls(self, _Connection)
 
         async def page(request: Any) -> Any:
-            return HTMLResponse(PAGE.read_text(encoding="utf-8") if PAGE.is_file() else "<p>s2s-flow</p>")
+            return FileResponse(WEB / "page.html", headers={"Cache-Control": "no-cache"})
 
         async def metrics(request: Any) -> Any:
             return Response(self.metrics.text(), media_type=self.metrics.prom.CONTENT_TYPE_LATEST)
 
-        from starlette.websockets import WebSocket
-
         site = Starlette(routes=[Route("/", page), Route("/metrics", metrics),
+                                 Mount("/web", StaticFiles(directory=WEB)),
                                  Route("/v1/realtime/calls", calls.create, methods=["POST"]),
                                  Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"]),
                                  *self.drain.routes(self.admission, self.metrics)])
@@ -258,7 +260,6 @@ class RealtimeServer:
             ok, subprotocol = self._authorized(ws)
         if not ok:
             from starlette.responses import JSONResponse
-
             body = events.error("invalid_api_key", "missing or wrong API key: send Authorization: Bearer "
                                 "<io.api_key>", type="authentication_error")
             try:
@@ -269,19 +270,20 @@ class RealtimeServer:
         await ws.accept(subprotocol=subprotocol)
         if await self.drain.turned_away(ws):
             return
-        refused = await self.admission.admit()  # by count and by load (admission.py)
-        if refused is not None:
-            self.metrics.refused.labels(refused).inc()
-            await ws.send_text(events.encode(events.error(
-                "session_limit_reached", self.admission.explain(refused), type="server_error")))
-            await ws.close(code=1008, reason="session_limit_reached")
-            return
-        connection = _Connection(self, ws, send)
-        self.admit(connection)
-        try:
-            await connection.serve()
-        finally:
-            self.release(connection)
+        # per client address (clients.py), then by count and by load (admission.py): before any graph
+        with self.clients.hold(ws.scope, limited=not isinstance(ws, TwilioCall)) as refusal:
+            refused = refusal.code if refusal is not None else await self.admission.admit()
+            if refused is not None:
+                self.metrics.refused.labels(refused).inc()
+                await (refusal or Refusal("session_limit_reached", self.admission.explain(refused),
+                                          type="server_error")).tell(ws)
+                return
+            connection = _Connection(self, ws, send)
+            self.admit(connection)
+            try:
+                await connection.serve()
+            finally:
+                self.release(connection)
 
     def admit(self, connection: Any) -> None:
         """A session begins (a WebSocket's, or a WebRTC call's): counted, drained on SIGTERM, and open
@@ -299,6 +301,7 @@ class RealtimeServer:
             self.open -= 1
             self.metrics.sessions.dec()
             self.admission.closed()
+            trim_memory_soon()  # what its buffers left free in the heap, back to the OS (limits.py)
 
     def observe(self, name: str, value: float) -> None:
         """A session's figure (its metrics callback, any thread): to /metrics and to admission."""
