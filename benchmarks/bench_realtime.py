@@ -5,6 +5,9 @@ Run: python benchmarks/bench_realtime.py [--repeat 1] [--sessions 1 2 4] [--skip
      (default stack: recipe=local_cpu, its llama-server started here)
      python benchmarks/bench_realtime.py --conversations 1 2 4 8 [--server-tree OLD_TREE NEW_TREE] [--turns 4]
      (conversations paced like people, before/after side by side: see benchmarks/_conversations.py)
+     python benchmarks/bench_realtime.py --memory 0 1 2 4 8 [--skip-slots]
+     (MB per extra session of a real s2s-run: its Python process and its llama-server, RSS and
+     PSS, idle and after a turn, and llama-server's KV cost per slot: see benchmarks/_memory.py)
 
 1. io=wav: ``s2s-run recipe=local_cpu bench=latency bench.repeat=N``: the engine's voice-to-voice
    (first reply audio at the sink - the VAD's estimate of the end of speech), p50/p95 over the
@@ -22,7 +25,8 @@ Run: python benchmarks/bench_realtime.py [--repeat 1] [--sessions 1 2 4] [--skip
    of the end of speech (its VAD) - the true end; the engine (that estimate to the first audio at
    the sink); and the delivery (sink to the client's receive). With 1, 2 and 4 clients at once:
    p50/p95, the process's peak RSS (sampled every 50 ms) and its RSS with the sessions open and
-   idle; the RSS each session after the first adds is (peak with k - peak with 1) / (k - 1).
+   idle; the RSS each session after the first adds is (peak with k - peak with 1) / (k - 1): this
+   process only (not the llama-server's slots), for the target's figure see ``--memory``.
 
 The clients run in a process of their own (as a real client would: not on the server's GIL);
 both read the machine's one monotonic clock, so the client's and the server's stamps compare.
@@ -257,6 +261,11 @@ def wav_side(repeat: int, overrides: list[str], out: Path, entries: list[dict[st
 
 
 def main() -> None:
+    if "--memory" in sys.argv[1:]:
+        from benchmarks._memory import main as memory
+
+        memory(sys.argv[1:])
+        return
     if "--conversations" in sys.argv[1:]:
         from benchmarks._conversations import main as conversations
 

@@ -59,7 +59,7 @@ def test_the_realtime_recipe_starts_llama_server_with_a_slot_per_session(llama_s
     with managed_server(cfg.server, tmp_path) as handle:
         assert handle is not None and handle.started
         slots = httpx.get(f"http://127.0.0.1:{port}/slots", timeout=5, trust_env=False).json()
-        assert len(slots) == 3 and {s["n_ctx"] for s in slots} == {2048}  # each keeps a one-session slot's context
+        assert len(slots) == 3 and {s["n_ctx"] for s in slots} == {1536}  # each keeps a one-session slot's context
         events = two_sessions(f"http://127.0.0.1:{port}/v1")
     # both in flight at once: B streamed before A's reply was done
     assert events.index("B first") < events.index("A done"), events

@@ -1,16 +1,19 @@
 """Admission by capacity (nodes/io/realtime/admission.py): the realtime server refuses (or holds)
 a new connection when its sessions are already slower than io.target_ms, not only past
-io.max_sessions, and /metrics shows the refusals and the shared models' queues.
+io.max_sessions, and /metrics shows the refusals and the shared models' queues. /readyz says
+503 whenever admission would refuse (drain.py), so a balancer stops sending what would be refused.
 
 The decision is tested on given figures (voice-to-voice, the inference snapshot's shape); the
 refusal by load end to end with the real offline stack: a session's spoken turns make the load
-(their voice-to-voice is always above a 1 ms target), and the next connection is refused."""
+(their voice-to-voice is always above a 1 ms target), /readyz and /metrics say full by load, and
+the next connection is refused."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -18,9 +21,11 @@ import numpy as np
 import pytest
 
 from nodes.io.realtime.admission import Admission, InferenceCollector
+from nodes.io.realtime.drain import Drain
 from s2s_flow.cli import plan
 from s2s_flow.compose import compose
 from s2s_flow.errors import ConfigError
+from tests.test_realtime import until
 
 
 class Clock:
@@ -61,6 +66,48 @@ def test_full_by_count_by_recent_voice_to_voice_and_by_the_queue_wait_of_confirm
     assert gate.full() is None
     open_now[0] = 4
     assert gate.full() == "count" and "io.max_sessions" in gate.explain("count")
+
+
+def test_full_by_load_holds_until_the_load_is_back_under_80_percent_of_the_target():
+    open_now, clock = [1], Clock()
+    gate = admission(open_now, clock=clock, snapshot=lambda: {})
+    for _ in range(3):
+        gate.voice_to_voice(0.9)
+    assert gate.full() is None, "under the target: a new session is taken"
+    for _ in range(4):
+        gate.voice_to_voice(1.5)
+    assert gate.full() == "load"
+    for _ in range(4):
+        gate.voice_to_voice(0.9)  # the median is 900 ms now: under the target, not under 80 % of it
+    assert gate.full() == "load", "it was full: ready again only under 80 % of the target (no flapping)"
+    assert gate.why("load").startswith("full: load: ") and "not yet back under 80%" in gate.why("load")
+    for _ in range(16):
+        gate.voice_to_voice(0.7)
+    assert gate.full() is None
+    for _ in range(16):
+        gate.voice_to_voice(0.9)
+    assert gate.full() is None, "ready: full again only over the target itself"
+    open_now[0] = 0
+    gate.voice_to_voice(5.0)
+    assert gate.full() is None, "an empty server takes one, whatever the figures"
+
+
+def test_readiness_is_admissions_verdict_and_names_why():
+    open_now, first_wait = [1], [0.0]
+    gate = admission(open_now, snapshot=lambda: snapshot_of(first_wait[0]))
+    drain = Drain(10.0)
+    assert drain.readiness(gate) == {"status": "ready", "sessions": 1}
+    gate.voice_to_voice(0.3)
+    first_wait[0] = 0.7
+    state = drain.readiness(gate)
+    assert (state["status"], state["reason"]) == ("full", "load") and state["why"].startswith("full: load: "), state
+    assert "queue 700 ms" in state["why"] and "io.target_ms=1000" in state["why"]
+    first_wait[0] = 0.0
+    open_now[0] = 4
+    assert drain.readiness(gate) == {"status": "full", "reason": "count", "sessions": 4,
+                                     "why": "full: count (4 of io.max_sessions=4)"}
+    drain.draining = True
+    assert drain.readiness(gate) == {"status": "draining", "why": "draining", "sessions": 4}
 
 
 def test_target_null_admits_by_count_alone_and_an_empty_server_always_takes_one():
@@ -137,6 +184,15 @@ def _metrics(url: str) -> str:
         return r.read().decode()
 
 
+def _readyz(url: str) -> tuple[int, dict]:
+    http = url.replace("ws://", "http://").removesuffix("/v1")
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{http}/readyz", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(llama, tmp_path):
     for module in ("starlette", "uvicorn", "websockets", "faster_whisper", "piper", "onnxruntime"):
         pytest.importorskip(module, reason="io=realtime on the offline stack: pip install 's2s-flow[serve,offline]'")
@@ -151,11 +207,20 @@ def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(lla
     try:
         with connect(f"{url}/realtime", open_timeout=10) as ws:
             assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
+            assert _readyz(url) == (200, {"status": "ready", "sessions": 1}), "no figures yet: ready"
+            assert "s2s_ready 1.0" in _metrics(url)
             for question in ("What is the capital of France?", "How many legs does a spider have?"):
                 for chunk in _spoken(question):
                     ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
                 while json.loads(ws.recv(timeout=120))["type"] != "response.done":
                     pass
+            status, ready = _readyz(url)  # what a balancer's health check sees: the refusal to come
+            assert (status, ready["status"], ready["reason"]) == (503, "full", "load"), ready
+            assert ready["why"].startswith("full: load: its sessions' replies start"), ready
+            assert "io.target_ms=1)" in ready["why"], ready
+            metrics = _metrics(url)
+            assert "s2s_ready 0.0" in metrics and 's2s_not_ready{reason="load"} 1.0' in metrics, metrics
+            assert 's2s_not_ready{reason="count"} 0.0' in metrics
             with connect(f"{url}/realtime", open_timeout=10) as late:
                 refused = json.loads(late.recv(timeout=60))
             assert refused["type"] == "error" and refused["error"]["code"] == "session_limit_reached", refused
@@ -163,5 +228,7 @@ def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(lla
             metrics = _metrics(url)
             assert 's2s_sessions_refused_total{reason="load"} 1.0' in metrics, metrics
             assert 's2s_sessions_refused_total{reason="count"} 0.0' in metrics
+        until(lambda: server.open == 0, what="the session to end")
+        assert _readyz(url) == (200, {"status": "ready", "sessions": 0}), "an empty server takes one"
     finally:
         server.stop()

@@ -52,6 +52,11 @@ def _http(url: str, path: str, **headers: str) -> tuple[int, dict]:
         return refused.code, json.loads(refused.read() or b"{}")
 
 
+def _http_text(url: str, path: str) -> str:
+    with urllib.request.urlopen(url.replace("ws://", "http://").removesuffix("/v1") + path, timeout=30) as reply:
+        return reply.read().decode()
+
+
 def _speak(ws: Any, text: str) -> None:
     for chunk in appends(spoken(text)):
         ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
@@ -164,9 +169,15 @@ def test_readiness_says_full_and_draining_while_health_stays_alive(llama, tmp_pa
         assert _http(url, "/readyz")[0] == 200
         with _raw(url) as ws:
             _next(ws, "session.created")
-            assert _http(url, "/readyz") == (503, {"status": "full", "sessions": 1})
+            assert _http(url, "/readyz") == (503, {"status": "full", "reason": "count", "sessions": 1,
+                                                   "why": "full: count (1 of io.max_sessions=1)"})
+            metrics = _http_text(url, "/metrics")
+            assert "s2s_ready 0.0" in metrics and 's2s_not_ready{reason="count"} 1.0' in metrics, metrics
+            with _raw(url) as late:  # what /readyz said: the next one is refused
+                assert _next(late)["error"]["code"] == "session_limit_reached"
         until(lambda: server.open == 0, what="the session to end")
-        assert _http(url, "/readyz")[0] == 200
+        assert _http(url, "/readyz") == (200, {"status": "ready", "sessions": 0})
+        assert "s2s_ready 1.0" in _http_text(url, "/metrics")
 
 
 def test_a_drain_lets_a_live_reply_finish_and_turns_new_sessions_away_with_1013(llama, tmp_path):  # noqa: F811
@@ -177,7 +188,8 @@ def test_a_drain_lets_a_live_reply_finish_and_turns_new_sessions_away_with_1013(
             _next(live, "response.created")
             server.begin_drain()
             until(lambda: server.drain.draining, what="the drain to begin")
-            assert _http(url, "/readyz") == (503, {"status": "draining", "sessions": 1})
+            assert _http(url, "/readyz") == (503, {"status": "draining", "why": "draining", "sessions": 1})
+            assert 's2s_not_ready{reason="draining"} 1.0' in _http_text(url, "/metrics")
             assert _http(url, "/healthz")[0] == 200
             with _raw(url) as late:
                 assert _next(late)["error"]["code"] == "server_draining"

@@ -109,7 +109,7 @@ def _flag(argv: list[str], flag: str) -> int:
     return int(argv[argv.index(flag) + 1])
 
 
-@pytest.mark.parametrize(("name", "per_slot", "extra"), [("local_cpu", 2048, 1), ("llamacpp_gemma4", 32768, 1),
+@pytest.mark.parametrize(("name", "per_slot", "extra"), [("local_cpu", 1536, 1), ("llamacpp_gemma4", 32768, 1),
                                                          ("llamacpp_audio", 8192, 0)])
 def test_llama_server_recipes_give_each_realtime_session_a_slot_of_the_same_context(name, per_slot, extra):
     """io=realtime: -np io.max_sessions (+1 for the text turn scorer where there is STT), -c the

@@ -9,6 +9,12 @@ every session later, so a new connection is refused with ``session_limit_reached
 (``io.admission=refuse``) or waits, at most ``io.admission_wait_s``, for a session to end or the
 load to fall (``io.admission=wait``).
 
+Full by load has hysteresis: once over the target, the server stays full until the load is back
+under ``RECOVER_SHARE`` of it (the median under 80 % of ``io.target_ms``, the queue wait under 80 %
+of its mark), or the figures have aged out, or no session is left. ``/readyz`` answers by the same
+verdict (drain.py), so a balancer's health check sees exactly what a new connection would get,
+and a load that hovers at the target does not take the process in and out at every check.
+
 The same snapshot feeds ``/metrics``: per model, the work queued and running, its recent queue wait
 and the work shed, by kind (``InferenceCollector``).
 """
@@ -32,6 +38,7 @@ RECENT = 16          # voice-to-voice figures kept (the most recent, of any sess
 RECENT_S = 60.0      # ... and none older than this: a load that has passed no longer counts
 MIN_FIGURES = 2      # fewer figures than this say nothing about the load
 FIRST_WAIT_SHARE = 0.5  # full when confirmed work queues for more than this share of the target
+RECOVER_SHARE = 0.8     # once full by load, ready again only under this share of either mark
 
 
 def inference_snapshot() -> dict[str, dict[str, Any]]:
@@ -75,6 +82,7 @@ class Admission:
         self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (when, voice-to-voice s)
         self._changed: asyncio.Event | None = None
         self.load = ""  # what made it full by load, the last time it was
+        self.loaded = False  # full by load at the last verdict: the marks are RECOVER_SHARE lower
 
     # -- what the server tells it --------------------------------------------------------------
 
@@ -99,26 +107,37 @@ class Admission:
         live = self.sessions()
         if live >= self.max_sessions:
             return "count"
-        if self.target_ms is None or not live:
-            return None
-        target_s = self.target_ms / 1000
+        self.loaded = self.target_ms is not None and bool(live) and self._over()
+        return "load" if self.loaded else None
+
+    def _over(self) -> bool:
+        """Over the load marks (lowered to RECOVER_SHARE while it was full by load)."""
+        mark_s = self.target_ms / 1000 * (RECOVER_SHARE if self.loaded else 1.0)
+        back = "" if not self.loaded else f", not yet back under {RECOVER_SHARE:.0%} of the target"
         recent = self.recent_v2v_s()
-        if len(recent) >= MIN_FIGURES and median(recent) > target_s:
-            self.load = f"its sessions' replies start {median(recent) * 1000:.0f} ms after the user stops (median)"
-            return "load"
+        if len(recent) >= MIN_FIGURES and median(recent) > mark_s:
+            self.load = (f"its sessions' replies start {median(recent) * 1000:.0f} ms after the user stops "
+                         f"(median){back}")
+            return True
         # the scheduler's waits are those of the last work done: current only while replies are
         waited = first_wait_s(self.snapshot()) if recent else 0.0
-        if waited > FIRST_WAIT_SHARE * target_s:
-            self.load = f"confirmed turns queue {waited * 1000:.0f} ms for the shared models"
-            return "load"
-        return None
+        if waited > FIRST_WAIT_SHARE * mark_s:
+            self.load = f"confirmed turns queue {waited * 1000:.0f} ms for the shared models{back}"
+            return True
+        return False
 
     def explain(self, reason: str) -> str:
         """The error message a refused client reads."""
         if reason == "count":
             return f"the server holds {self.max_sessions} sessions (io.max_sessions); try again later"
-        return (f"the server is at capacity: {self.load}, over its io.target_ms={self.target_ms:g} budget, so "
-                "one more session would slow every one; try again later (or another server)")
+        return (f"the server is at capacity: {self.load}, against its io.target_ms={self.target_ms:g} budget, "
+                "so one more session would slow every one; try again later (or another server)")
+
+    def why(self, reason: str) -> str:
+        """The short form ``/readyz`` gives: ``full: count (...)`` or ``full: load: ...``."""
+        if reason == "count":
+            return f"full: count ({self.sessions()} of io.max_sessions={self.max_sessions})"
+        return f"full: load: {self.load} (io.target_ms={self.target_ms:g})"
 
     async def admit(self) -> str | None:
         """Take the new connection (None) or say why not. ``wait``: until there is room, at most

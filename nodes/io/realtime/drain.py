@@ -42,19 +42,35 @@ class Drain:
         if not self.connections and self._empty is not None:
             self._empty.set()
 
-    def routes(self, open_sessions: Any, max_sessions: int) -> list[Any]:
+    def readiness(self, admission: Any) -> dict[str, Any]:
+        """Whether a new session would be taken now, by admission's own verdict (admission.py: by
+        count, and by load with its hysteresis): ``{"status": "ready"|"draining"|"full", "sessions": n}``,
+        and for ``full`` the ``reason`` (``count``, ``load``) and ``why`` in words."""
+        n = admission.sessions()
+        if self.draining:
+            return {"status": "draining", "why": "draining", "sessions": n}
+        reason = admission.full()
+        if reason is None:
+            return {"status": "ready", "sessions": n}
+        return {"status": "full", "reason": reason, "why": admission.why(reason), "sessions": n}
+
+    def routes(self, admission: Any, metrics: Any = None) -> list[Any]:
         """``/healthz`` (the process answers) and ``/readyz`` (it takes a new session: 503 while
-        draining or full), for a balancer's health checks and Kubernetes' probes."""
+        draining, or whenever admission would refuse one, by count or by load), for a balancer's
+        health checks and Kubernetes' probes; ``metrics`` (prometheus.py) gets the same state as
+        gauges."""
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
+        if metrics is not None:
+            metrics.readiness(lambda: self.readiness(admission))
+
         async def healthz(request: Any) -> Any:
-            return JSONResponse({"status": "alive", "sessions": open_sessions()})
+            return JSONResponse({"status": "alive", "sessions": admission.sessions()})
 
         async def readyz(request: Any) -> Any:
-            n = open_sessions()
-            state = "draining" if self.draining else "full" if n >= max_sessions else "ready"
-            return JSONResponse({"status": state, "sessions": n}, status_code=200 if state == "ready" else 503)
+            state = self.readiness(admission)
+            return JSONResponse(state, status_code=200 if state["status"] == "ready" else 503)
 
         return [Route("/healthz", healthz), Route("/readyz", readyz)]
 

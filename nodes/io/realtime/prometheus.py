@@ -1,6 +1,7 @@
 """The realtime server's Prometheus figures (``/metrics``): sessions, turns, voice-to-voice, the
 sessions it closed and refused and why, the stages that failed, the managed model server's
-restarts, and the shared models' queues (admission.py's InferenceCollector)."""
+restarts, the shared models' queues (admission.py's InferenceCollector), and whether it takes a
+new session now, as ``/readyz`` says (``s2s_ready``, ``s2s_not_ready{reason}``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ class ServerMetrics:
                                   "sent", registry=self.registry,
                                   buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
 
+    def readiness(self, state: Any) -> None:
+        """``state()``: drain.py's readiness, read at every scrape."""
+        self.registry.register(_ReadinessCollector(self.prom, state))
+
     def observe(self, name: str, value: float) -> None:
         if name == "turn":
             self.turns.inc()
@@ -65,3 +70,27 @@ class _RestartCollector:
         for server, count in restarts().items():
             family.add_metric([server], count)
         yield family
+
+
+class _ReadinessCollector:
+    """``s2s_ready`` (1: a new session is taken now, /readyz 200) and ``s2s_not_ready{reason}`` (1 for
+    the reason it is not: draining, count, load; 0 for the others)."""
+
+    REASONS = ("draining", "count", "load")
+
+    def __init__(self, prom: Any, state: Any) -> None:
+        self._gauge, self.state = prom.metrics_core.GaugeMetricFamily, state
+
+    def describe(self) -> list[Any]:
+        return []  # registering must not take the verdict
+
+    def collect(self) -> Any:
+        state = self.state()
+        reason = "draining" if state["status"] == "draining" else state.get("reason")
+        ready = self._gauge("s2s_ready", "1 while a new session is taken (/readyz 200), else 0")
+        ready.add_metric([], 1 if state["status"] == "ready" else 0)
+        why = self._gauge("s2s_not_ready", "Why /readyz answers 503 now: draining, full by count, or full by "
+                          "load (1 for the reason in force)", labels=["reason"])
+        for name in self.REASONS:
+            why.add_metric([name], 1 if name == reason else 0)
+        yield from (ready, why)

@@ -4,8 +4,8 @@ Routes: ``/v1/realtime`` (the OpenAI Realtime WebSocket), ``/v1/realtime/calls``
 WebRTC: webrtc.py), ``/v1/twilio`` (a phone call through Twilio Media Streams, translated to a Realtime
 session's events: twilio.py), ``/metrics`` (Prometheus text: sessions open and refused, turns, voice-to-voice,
 the shared models' queues), ``/`` (the browser app: ``web/page.html``, its files under ``/web/``),
-``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full). Every route passes the Origin
-and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is admitted per client address
+``/healthz`` (alive) and ``/readyz`` (accepting: 503 while draining or full, by count or load). Every route passes
+the Origin and Host checks first (guard.py); SIGTERM drains (drain.py); a connection is admitted per client address
 (clients.py), by count and by load (admission.py). Each connection builds a fresh graph from the composed
 config (cheap: ``__init__`` only), gives it its session (the source and sink take it from ``ctx.session``; the
 session finds its VAD, TTS and LLM), and runs it with its own Scheduler on its own threads; models come from
@@ -220,7 +220,7 @@ class RealtimeServer:
                                  Mount("/web", StaticFiles(directory=WEB)),
                                  Route("/v1/realtime/calls", calls.create, methods=["POST"]),
                                  Route("/v1/realtime/calls/{call_id}", calls.hang_up, methods=["DELETE"]),
-                                 *self.drain.routes(lambda: self.open, self.options.max_sessions)])
+                                 *self.drain.routes(self.admission, self.metrics)])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
             self._loop = asyncio.get_running_loop()
