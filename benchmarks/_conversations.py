@@ -11,7 +11,14 @@ end, is not counted; its audio is ignored).
 Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never
 came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
 has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) and its children
-(llama-server: the LLM), per answered turn. Then the largest N whose p95 < 1 s.
+(llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn. Then the
+largest N whose p95 < 1 s.
+
+CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
+session stays open while its client listens (an open session's microphone stream, VAD and event
+loop cost CPU every second). The LLM samples with ``--seed`` (``llm.seed``, the same for every
+tree) so that two trees are asked the same questions and give the same replies; without it
+(``--seed -1``) one tree's replies may be twice as long as the other's, and so its CPU per turn.
 
 ``--server-tree PATH ...``: the same clients against the server started from each source tree
 (``s2s-run recipe=local_cpu io=realtime`` run with that tree on PYTHONPATH), one after the other in
@@ -156,7 +163,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
     from websockets.asyncio.client import connect
 
     await asyncio.sleep(k * args.stagger_s)
-    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0}
+    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": []}
     try:
         ws = await connect(f"{url}/realtime", max_size=None)
     except Exception as exc:
@@ -185,6 +192,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
                     out["errors"].append("no reply")
                     break
                 out["v2v"].append((listener.first - t_end) * 1000)
+                out["reply_s"].append(listener.audio_bytes / 2 / RATE)
                 heard = listener.first + listener.audio_bytes / 2 / RATE
                 await asyncio.sleep(max(0.0, heard - time.monotonic()) + args.think_s)  # listen, then think
         except Exception as exc:  # the server closed the connection, or the clients' loop failed
@@ -199,7 +207,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
 async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace) -> dict:
     results = await asyncio.gather(*(conversation(url, k, said, args) for k in range(n)))
     return {"v2v": [v for r in results for v in r["v2v"]], "errors": [e for r in results for e in r["errors"]],
-            "refused": sum(r["refused"] for r in results)}
+            "refused": sum(r["refused"] for r in results), "reply_s": [v for r in results for v in r["reply_s"]]}
 
 
 # -- the server of one tree ------------------------------------------------------------------------
@@ -305,7 +313,8 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "errors": len(got["errors"]) + got["refused"], "refused": got["refused"],
                        "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
-                                          "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)}}
+                                          "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
+                       "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2)}
             print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
     finally:
         server.stop()
@@ -315,8 +324,8 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
 def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
     trees = list(results)
     head = "| conversations | " + " | ".join(
-        f"{t}: v2v p50 / p95 ms | errors | shed | CPU s/turn py / llm" for t in trees) + " |"
-    lines = [head, "|---|" + "--:|--:|--:|--:|" * len(trees)]
+        f"{t}: v2v p50 / p95 ms | errors | shed | CPU s/turn py / llm | reply s/turn" for t in trees) + " |"
+    lines = [head, "|---|" + "--:|--:|--:|--:|--:|" * len(trees)]
     for n in ns:
         cells = []
         for t in trees:
@@ -325,7 +334,7 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
             cpu = r["cpu_s_per_turn"]
             cells += [f"{r['p50']} / {r['p95']}", f"{r['errors']}" + (f" ({r['refused']} refused)" if r["refused"]
                                                                      else ""), shed,
-                      f"{cpu['python']} / {cpu['llama_server']}"]
+                      f"{cpu['python']} / {cpu['llama_server']}", f"{r.get('reply_s_per_turn', '')}"]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append("")
     for t in trees:
@@ -345,6 +354,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--stagger-s", type=float, default=3.0, help="between the clients' starts")
     ap.add_argument("--think-s", type=float, default=1.0, help="after listening to a reply")
     ap.add_argument("--reply-timeout-s", type=float, default=30.0, help="a reply not done by then is an error")
+    ap.add_argument("--seed", type=int, default=1,
+                    help="llm.seed for every tree's LLM: the same replies to the same questions (-1: unseeded)")
     ap.add_argument("--load-admission", action="store_true",
                     help="keep the server's admission by load (io.target_ms); default: by count only")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-conversations-")))
@@ -352,6 +363,8 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     # overrides may follow the lists: key=value words are overrides, the rest numbers or trees
     args.overrides += [a for a in args.conversations + args.server_tree if "=" in a]
+    if args.seed >= 0 and not any(o.startswith("llm.seed=") for o in args.overrides):
+        args.overrides.append(f"llm.seed={args.seed}")
     ns = sorted({int(a) for a in args.conversations if "=" not in a})
     trees = [Path(a).expanduser().resolve() for a in args.server_tree if "=" not in a]
     said = questions()
@@ -359,7 +372,7 @@ def main(argv: list[str]) -> None:
     for i, tree in enumerate(trees):
         name = tree.name if [t.name for t in trees].count(tree.name) == 1 else str(tree)
         results[name] = run_tree(tree, ns, said, args, args.out / f"tree{i}-{tree.name}")
-    report = {"cpu": _cpu_model(), "turns": args.turns, "stagger_s": args.stagger_s, "trees": {
+    report = {"cpu": _cpu_model(), "turns": args.turns, "stagger_s": args.stagger_s, "seed": args.seed, "trees": {
         name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
     (args.out / "conversations.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
