@@ -62,9 +62,17 @@ class Client:
         self.process = subprocess.Popen([sys.executable, "-m", "nodes.io.talk", *args], env=env, cwd=ROOT,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self.err = ""
+        self._err: list[str] = []
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
+        # stderr read as it comes too: audio libraries write there (ALSA's underrun lines, many under
+        # load), and a full pipe would block the client inside its audio thread, so it never exits
+        self._err_reader = threading.Thread(target=lambda: self._err.extend(self.process.stderr), daemon=True)
+        self._err_reader.start()
+
+    @property
+    def err(self) -> str:
+        return "".join(self._err)
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -77,14 +85,22 @@ class Client:
             found = self._cond.wait_for(lambda: next((ln for ln in self.lines if check(ln)), None)
                                         or self.process.poll() is not None, timeout)
             line = next((ln for ln in self.lines if check(ln)), None)
-        assert line is not None, f"s2s-talk never printed {what}: {self.lines}, {self.process.stderr.read()}" \
+        assert line is not None, f"s2s-talk never printed {what}: {self.lines}, {self.err}" \
             if found else f"no {what} within {timeout:.0f} s: {self.lines}"
         return line
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGINT)
-        code = self.process.wait(20)
-        self.err = self.process.stderr.read()
+        try:  # Ctrl-C ends it with 0 (0.2 s here; closing the WebSocket may wait out its close timeout)
+            code = self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)  # its threads' stacks on stderr (faulthandler)
+            time.sleep(2)
+            self.process.kill()
+            self._err_reader.join(5)
+            where = self.err[-6000:]
+            raise AssertionError(f"s2s-talk did not end on Ctrl-C within 60 s; where it was:\n{where}") from None
+        self._err_reader.join(5)
         return code
 
 

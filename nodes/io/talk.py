@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import faulthandler
 import json
 import os
 import re
+import signal
 import sys
 from typing import Any
 
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-device", help="microphone: a name (substring) or an index (s2s-run --list-devices)")
     parser.add_argument("--output-device", help="speaker: a name (substring) or an index")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack on stderr (a hang)
     key = args.api_key or next((os.environ[k] for k in KEY_ENVS if os.environ.get(k)), None)
     transcription = None if args.transcription_model.lower() == "none" else args.transcription_model
     try:
