@@ -59,8 +59,11 @@ class Client:
 
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "S2S_API_KEY": KEY, "COLUMNS": "200"}
+        # started with SIGINT ignored, as a script's background job is (CI's own runs can be): Ctrl-C
+        # (the SIGINT stop() sends) must end it all the same
         self.process = subprocess.Popen([sys.executable, "-m", "nodes.io.talk", *args], env=env, cwd=ROOT,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         self.lines: list[str] = []
         self._err: list[str] = []
         self._cond = threading.Condition()

@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-device", help="speaker: a name (substring) or an index")
     args = parser.parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack on stderr (a hang)
+    # Ctrl-C ends the conversation even when started with SIGINT ignored (a script's background job
+    # inherits that, and asyncio.run then installs no handler of its own): as s2s-run, which sets its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     key = args.api_key or next((os.environ[k] for k in KEY_ENVS if os.environ.get(k)), None)
     transcription = None if args.transcription_model.lower() == "none" else args.transcription_model
     try:
