@@ -1,6 +1,6 @@
 """End of turn: how soon each turn policy ends a finished turn, and how often it cuts the user off.
 
-    python benchmarks/bench_turn.py [--out FILE.json] [--policies silence,smart_turn,text,hybrid]
+    python benchmarks/bench_turn.py [--out FILE.json] [--policies silence,smart_turn,text,hybrid,tiered]
                                     [--text-threshold 0.5] [--max-silence-ms 1000]
 
 The turn-taking corpus of benchmarks/turn_corpus.py (64 utterances over five voices, 32 with a
@@ -13,7 +13,8 @@ each policy (``vad.turn``):
 - text: the LLM's end-of-turn probability for the speculative transcript (``vad.speculate_ms=64``:
   Whisper tiny.en as recipe=local_cpu runs it, then SmolLM2-135M in llama-server, nodes/_turn_text.py);
   the score reaches the VAD as late as it took to compute, in stream time;
-- hybrid: the turn ends after 200 ms only when the audio and the words both say finished.
+- hybrid: the turn ends after 200 ms only when the audio and the words both say finished;
+- tiered: hybrid, and one of the two saying finished ends it after ``--one-silence-ms`` (400).
 
 Printed per policy: the delay from the true end of speech to the turn's end on the finished
 utterances (p50/p95; the audio waited for plus the detectors' compute), how many waited for the long
@@ -62,7 +63,7 @@ def hesitant_prompts() -> list[tuple[str, int]]:
     return [(text, pause) for text, pause in map(pause_of, prompts) if pause is not None]
 
 
-def policies(max_silence_ms: int, text_threshold: float) -> dict[str, dict]:
+def policies(max_silence_ms: int, text_threshold: float, one_silence_ms: int) -> dict[str, dict]:
     early = {"min_silence_ms": 200, "max_silence_ms": max_silence_ms}
     return {
         "silence": ("silence 500 ms (today)", {"turn": "silence", "min_silence_ms": 500}),
@@ -71,6 +72,9 @@ def policies(max_silence_ms: int, text_threshold: float) -> dict[str, dict]:
                  {"turn": "text", "speculate_ms": 64, "text_threshold": text_threshold, **early}),
         "hybrid": (f"hybrid 200, max {max_silence_ms}",
                    {"turn": "hybrid", "speculate_ms": 64, "text_threshold": text_threshold, **early}),
+        "tiered": (f"hybrid 200/{one_silence_ms}, max {max_silence_ms}",
+                   {"turn": "hybrid", "speculate_ms": 64, "text_threshold": text_threshold,
+                    "one_silence_ms": one_silence_ms, **early}),
     }
 
 
@@ -197,17 +201,19 @@ def main() -> None:
     ap.add_argument("--text-threshold", type=float, default=SileroVAD().text_threshold,
                     help="vad.text_threshold (default: the VAD's)")
     ap.add_argument("--max-silence-ms", type=int, default=1000, help="vad.max_silence_ms of the early policies")
+    ap.add_argument("--one-silence-ms", type=int, default=400,
+                    help="vad.one_silence_ms of the tiered hybrid (one signal saying finished is enough)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N utterances (a smoke run)")
     args = ap.parse_args()
     corpus = turn_corpus.build()
     if args.limit:
         corpus = corpus[:: max(1, len(corpus) // args.limit)][: args.limit]
     chosen = [p.strip() for p in args.policies.split(",")]
-    table = policies(args.max_silence_ms, args.text_threshold)
+    table = policies(args.max_silence_ms, args.text_threshold, args.one_silence_ms)
     results: dict = {}
     with ExitStack() as stack:
         words = None
-        if {"text", "hybrid"} & set(chosen):
+        if {"text", "hybrid", "tiered"} & set(chosen):
             from nodes._http import HttpPolicy, RemoteClient
             from tests.support.servers import running_llama_server, smollm2_gguf_path
 

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -163,14 +164,13 @@ def _at(event: dict[str, Any], path: str) -> Any:
     return event
 
 
-def post(url: str, body: str, headers: dict[str, str] | None = None) -> tuple[int, str, str | None]:
-    request = urllib.request.Request(url, data=body.encode(), method="POST",
-                                     headers={"Content-Type": "application/sdp", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, resp.read().decode(), resp.headers.get("Location")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(), None
+def post(url: str, body: str, headers: dict[str, str] | None = None,
+         source: str | None = None) -> tuple[int, str, str | None]:
+    """POST an offer (from the loopback address ``source``: Linux answers all of 127.0.0.0/8)."""
+    transport = httpx.HTTPTransport(local_address=source) if source else None
+    with httpx.Client(transport=transport, timeout=60) as client:
+        resp = client.post(url, content=body.encode(), headers={"Content-Type": "application/sdp", **(headers or {})})
+    return resp.status_code, resp.text, resp.headers.get("location")
 
 
 def delete(url: str, headers: dict[str, str] | None = None) -> int:
@@ -328,6 +328,47 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
     assert got["open"] == 1
     assert got["draining"][0] == 503 and json.loads(got["draining"][1])["error"]["code"] == "server_draining"
     assert (got["unknown"], got["unknown_nokey"]) == (404, 401)
+
+
+def test_calls_are_limited_per_client_address_for_as_long_as_they_last(llama, tmp_path):  # noqa: F811
+    """io.client_limits covers WebRTC as it covers WebSockets: one address holds at most its calls (a
+    second is answered 429, before any peer connection is built), another address is not held back,
+    and a call that ends gives its place back."""
+    async def offer() -> tuple[RTCPeerConnection, str]:
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTrack(Microphone())
+        pc.createDataChannel("oai-events")
+        with host_addresses(["127.0.0.1"]):
+            await pc.setLocalDescription(await pc.createOffer())
+        return pc, pc.localDescription.sdp
+
+    async def calls(base: str, server) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        peers = [await offer() for _ in range(4)]
+        calls_url = base + "/v1/realtime/calls"
+        out["first"] = await asyncio.to_thread(post, calls_url, peers[0][1], None, "127.0.0.2")
+        out["second"] = await asyncio.to_thread(post, calls_url, peers[1][1], None, "127.0.0.2")
+        out["other"] = await asyncio.to_thread(post, calls_url, peers[2][1], None, "127.0.0.3")
+        out["open"] = server.open
+        out["hung_up"] = await asyncio.to_thread(delete, base + out["first"][2])
+        while "127.0.0.2" in server.clients.open:  # the call's task ends, then its place is given back
+            await asyncio.sleep(0.05)
+        out["again"] = await asyncio.to_thread(post, calls_url, peers[3][1], None, "127.0.0.2")
+        for pc, _ in peers:
+            await pc.close()
+        return out
+
+    with serving(llama, tmp_path / "run", "io.client_limits.max_sessions=1", "io.client_limits.connects_per_s=0",
+                 "io.client_limits.exempt=[]") as (url, server):
+        got = asyncio.run(asyncio.wait_for(calls(_base(url), server), 120))
+        refused = server.metrics.registry.get_sample_value("s2s_sessions_refused_total",
+                                                           {"reason": "client_session_limit"})
+    assert got["first"][0] == 201 and got["other"][0] == 201 and got["again"][0] == 201
+    status, body, _ = got["second"]
+    error = json.loads(body)["error"]
+    assert status == 429 and error["code"] == "client_session_limit"
+    assert "127.0.0.2" in error["message"] and "io.client_limits.max_sessions=1" in error["message"]
+    assert got["open"] == 2 and got["hung_up"] == 204 and refused == 1
 
 
 # -- the Agents SDK's WebRTC transport in Chromium ----------------------------------------------

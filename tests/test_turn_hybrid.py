@@ -142,6 +142,19 @@ def test_a_finished_question_ends_after_the_short_silence_with_hybrid(smart_turn
     assert end["silence_ms"] < 500  # sooner than the fixed 500 ms
 
 
+def test_tiered_hybrid_ends_the_turn_at_the_middle_silence_when_one_signal_says_finished(
+        smart_turn_wheel, whisper, smollm2_server):  # noqa: F811
+    """vad.one_silence_ms: the sound hears "Set a timer for" as finished, the words do not; plain hybrid
+    waits (the test above), tiered ends the turn once the pause has lasted one_silence_ms: the price of
+    its lower p95 (bench_turn.py counts it)."""
+    pcm, _ = _hesitant()  # a 600 ms pause
+    turns, events = _run(pcm, whisper, _llm(smollm2_server), turn="hybrid", one_silence_ms=400, **EARLY)
+    first = [e for e in events if e["kind"] == "turn_end"][0]
+    assert first["by"] == "hybrid_one" and 400 <= first["silence_ms"] < 600
+    assert first["probability"] >= 0.5 and first["text_probability"] < SileroVAD().text_threshold
+    assert len(turns) == 2
+
+
 def test_without_a_scorer_text_waits_for_the_long_silence(whisper):
     """No LLM gives scores (llm=responses, a server without the endpoints): vad.turn=text cannot read
     the words, so the turn ends only after max_silence_ms, never early."""
@@ -156,6 +169,10 @@ def test_without_a_scorer_text_waits_for_the_long_silence(whisper):
     ({"turn": "text", "min_silence_ms": 200, "max_silence_ms": 1000, "speculate_ms": 64, "text_threshold": 1.5},
      "vad.text_threshold"),
     ({"turn": "hybrid", "min_silence_ms": 200, "max_silence_ms": 150, "speculate_ms": 64}, "vad.max_silence_ms"),
+    ({"turn": "smart_turn", "min_silence_ms": 200, "max_silence_ms": 1000, "one_silence_ms": 400},
+     "vad.one_silence_ms"),
+    ({"turn": "hybrid", "min_silence_ms": 200, "max_silence_ms": 1000, "speculate_ms": 64, "one_silence_ms": 1000},
+     "vad.one_silence_ms"),
 ])
 def test_bad_text_turn_settings_are_config_errors_naming_the_option(params, option):
     with pytest.raises(ConfigError, match=option.replace(".", r"\.")):

@@ -60,8 +60,10 @@ class SileroVAD(Node, TurnSettings):
     LLM's probability that the speculative transcript ends the user's message (>= ``text_threshold``,
     nodes/_turn_text.py), waited for until it comes. ``turn="hybrid"`` ends the turn after
     ``min_silence_ms`` only when both say finished, and after ``max_silence_ms`` when either says
-    not. Either way ``speech_end_t`` is moved back to when the silence began, so latency is
-    measured from the user's real end of speech.
+    not; with ``one_silence_ms`` set it is tiered: one of the two saying finished (the other not,
+    or not read yet) ends the turn after that much silence, between the two. Either way
+    ``speech_end_t`` is moved back to when the silence began, so latency is measured from the
+    user's real end of speech.
 
     Speculation (``speculate_ms`` > 0): after that much silence, before the turn is known to be
     over, the utterance so far goes out as ``Speech(speculative=True)`` so STT and the LLM
@@ -94,6 +96,7 @@ class SileroVAD(Node, TurnSettings):
         turn_threads: int = 1,
         speculate_ms: int = 0,
         text_threshold: float = 0.3,
+        one_silence_ms: int | None = None,
         stream_ms: int | None = 0,
     ) -> None:
         if sample_rate not in (8000, 16000):
@@ -127,6 +130,13 @@ class SileroVAD(Node, TurnSettings):
                 f"vad.max_silence_ms={max_silence_ms} must be longer than vad.min_silence_ms="
                 f"{min_silence_ms}: with vad.turn={turn} the detector is asked after the short "
                 "silence and the long one ends the turn anyway (e.g. 200 and 1000)."
+            )
+        if one_silence_ms is not None and not (turn == "hybrid" and min_silence_ms < one_silence_ms < max_silence_ms):
+            raise ConfigError(
+                f"vad.one_silence_ms={one_silence_ms} is for vad.turn=hybrid (here {turn}), between "
+                f"vad.min_silence_ms={min_silence_ms} and vad.max_silence_ms={max_silence_ms}: the silence after "
+                "which one of the sound and the words saying finished is enough (e.g. 200, 400 and 1000), "
+                "or null (both must agree, else the long silence)."
             )
         if turn in _READS:
             if not speculate_ms:
@@ -182,6 +192,8 @@ class SileroVAD(Node, TurnSettings):
         self._pad = sample_rate * speech_pad_ms // 1000
         self._max_speech = int(sample_rate * max_speech_s)
         self._max_silence = sample_rate * max_silence_ms // 1000
+        self.one_silence_ms = one_silence_ms
+        self._one_silence = None if one_silence_ms is None else sample_rate * one_silence_ms // 1000
         self.speculate_ms = speculate_ms
         self._speculate = sample_rate * speculate_ms // 1000
         self._pre_speech = int(sample_rate * TURN_PRE_SPEECH_S) if turn != "silence" else 0
@@ -403,6 +415,8 @@ class SileroVAD(Node, TurnSettings):
                 self._audio_p = self._smart_turn.probability(self._turn_audio())
             if self._audio_p < self.turn_threshold:
                 self.ctx.log.debug("turn %d: pause, not finished by the sound (p=%.2f)", self.turn, self._audio_p)
+        if self._one_silence is not None:
+            return self._tiered(silence)
         if self._audio_p is not None and self._audio_p < self.turn_threshold:
             return False  # the sound says not finished: the long silence decides
         fields = {"probability": round(self._audio_p, 3)} if self._audio_p is not None else {}
@@ -417,6 +431,23 @@ class SileroVAD(Node, TurnSettings):
                 fields["text_probability"] = round(text_p, 3)
         self._record_end(self.turn_detector, silence, **fields)
         return True
+
+    def _tiered(self, silence: int) -> bool:
+        """vad.turn=hybrid with one_silence_ms: both signals finished end the turn now, one of
+        them after ``one_silence_ms``, none only at the long silence (handled by the caller)."""
+        fields = {"probability": round(self._audio_p, 3)}
+        audio_done = self._audio_p >= self.turn_threshold
+        text_p = None if self._turn_text.scorer is None else self._turn_text.get(self.turn)
+        text_done = text_p is not None and text_p >= self.text_threshold
+        if text_p is not None:
+            fields["text_probability"] = round(text_p, 3)
+        if audio_done and text_done:
+            self._record_end("hybrid", silence, **fields)
+            return True
+        if (audio_done or text_done) and silence >= self._one_silence:
+            self._record_end("hybrid_one", silence, **fields)
+            return True
+        return False
 
     def _turn_audio(self) -> np.ndarray:
         """What the turn model reads: the whole turn from ``TURN_PRE_SPEECH_S`` before its start

@@ -23,7 +23,8 @@ the last address of that header not itself a trusted proxy. A peer that is not t
 pretend to be another client: its ``X-Forwarded-For`` is ignored. Addresses in ``exempt`` (by
 default loopback: the local machine, and a balancer on it that does not forward the client's
 address) are not limited. Twilio's calls (``/v1/twilio``) all come from Twilio's addresses and are
-signed: they are not limited per address; WebRTC calls are not either (yet).
+signed: they are not limited per address. WebRTC calls (``POST /v1/realtime/calls``) are, as WebSockets
+are: a refused offer is answered 429 with the same error, and a call holds its place until it ends.
 """
 
 from __future__ import annotations

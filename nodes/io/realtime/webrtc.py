@@ -129,6 +129,7 @@ class _Call:
         self.begun = self.heard_at  # (heard_at: the last client event or microphone frame)
         self.handlers._handlers["output_audio_buffer.clear"] = self._client_clear
         self.task: asyncio.Task[None] | None = None
+        self.held = contextlib.ExitStack()  # its place in the per-address count (clients.py), until it ends
         pc.on("datachannel", self.channel.attach)
         pc.on("track", self._track)
         pc.on("connectionstatechange", self._state)
@@ -330,29 +331,47 @@ class WebRTCCalls:
         if getattr(server, "drain", None) is not None and server.drain.draining:
             return self._refused(503, "server_draining", "the server is draining (SIGTERM): call another "
                                  "one, or again once it is back", "server_error")
+        # per client address (clients.py), as a WebSocket is; held for the call's life
+        held = contextlib.ExitStack()
+        refusal = held.enter_context(server.clients.hold(request.scope))
+        if refusal is not None:
+            held.close()
+            server.metrics.refused.labels(refusal.code).inc()
+            await asyncio.sleep(refusal.delay_s)
+            return self._refused(429, refusal.code, refusal.message)
+        with held:
+            response, call = await self._answer(request, kind)
+            if call is not None:
+                call.held = held.pop_all()
+                call.task = asyncio.ensure_future(self._run(call))
+            return response
+
+    async def _answer(self, request: Any, kind: str) -> tuple[Any, Any]:
+        """The offer answered (201) and its call, or why not (and no call)."""
+        server = self.server
         refused = await server.admission.admit()  # by count and by load, as a WebSocket is
         if refused is not None:
             server.metrics.refused.labels(refused).inc()
-            return self._refused(503, "session_limit_reached", server.admission.explain(refused), "server_error")
+            return self._refused(503, "session_limit_reached", server.admission.explain(refused), "server_error"), None
         if int(request.headers.get("content-length") or 0) > MAX_OFFER_BYTES:
-            return self._too_large()
+            return self._too_large(), None
         body, update = await request.body(), None
         if len(body) > MAX_OFFER_BYTES:
-            return self._too_large()
+            return self._too_large(), None
         try:
             require("aiortc", "webrtc")
             if kind == "multipart/form-data":
                 body, update = await _form(request)
         except MissingDependency as exc:
-            return self._refused(501, "webrtc_not_installed", str(exc), "server_error")
+            return self._refused(501, "webrtc_not_installed", str(exc), "server_error"), None
         except ValueError as exc:
-            return self._refused(400, "invalid_offer", str(exc))
+            return self._refused(400, "invalid_offer", str(exc)), None
         offer = body.decode("utf-8", "replace")
         if not offer.startswith("v=0") or "m=audio" not in offer or "m=application" not in offer:
             return self._refused(400, "invalid_offer", "the body is not an SDP offer with an audio section "
                                  "(m=audio) and a data channel (m=application): send the peer connection's "
                                  "localDescription.sdp after addTrack(microphone), createDataChannel('oai-events') "
-                                 "and createOffer()")
+                                 "and createOffer()"), None
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
         addresses = addresses_for(server.options.host)
@@ -372,16 +391,15 @@ class WebRTCCalls:
         except Exception as exc:
             server.release(call)
             await pc.close()
-            return self._refused(400, "invalid_offer", f"the SDP offer could not be answered: {exc}")
+            return self._refused(400, "invalid_offer", f"the SDP offer could not be answered: {exc}"), None
         self.calls[call.id] = call
         if update is not None:  # the form's session: the call's first client event
             call.channel.incoming.put_nowait({"type": "websocket.receive", "text": json.dumps(
                 {"type": "session.update", "session": update})})
-        call.task = asyncio.ensure_future(self._run(call))
         from starlette.responses import Response
 
         return Response(pc.localDescription.sdp, status_code=201, media_type="application/sdp",
-                        headers={"Location": f"/v1/realtime/calls/{call.id}"})
+                        headers={"Location": f"/v1/realtime/calls/{call.id}"}), call
 
     def _too_large(self) -> Any:
         return self._refused(413, "offer_too_large", f"the offer is over {MAX_OFFER_BYTES} bytes: send the peer "
@@ -395,6 +413,7 @@ class WebRTCCalls:
         finally:
             self.calls.pop(call.id, None)
             self.server.release(call)
+            call.held.close()
             with contextlib.suppress(Exception):
                 await call.pc.close()
 
