@@ -272,21 +272,23 @@ def test_a_webrtc_call_hears_the_user_speaks_the_reply_and_a_barge_in_clears_it(
     assert got["delete"] == 204
 
 
+async def _offer() -> tuple[RTCPeerConnection, str]:
+    """A caller's peer connection (a microphone and the events channel) and its offer."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTrack(Microphone())
+    pc.createDataChannel("oai-events")
+    with host_addresses(["127.0.0.1"]):
+        await pc.setLocalDescription(await pc.createOffer())
+    return pc, pc.localDescription.sdp
+
+
 def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_server(llama, tmp_path,  # noqa: F811
                                                                                      monkeypatch):
     monkeypatch.setenv("S2S_REALTIME_API_KEY", "sk-test-key")
 
-    async def offer() -> tuple[RTCPeerConnection, str]:
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        pc.addTrack(Microphone())
-        pc.createDataChannel("oai-events")
-        with host_addresses(["127.0.0.1"]):
-            await pc.setLocalDescription(await pc.createOffer())
-        return pc, pc.localDescription.sdp
-
     async def calls(base: str, server) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        pc, sdp = await offer()
+        pc, sdp = await _offer()
         key = {"Authorization": "Bearer sk-test-key"}
         out["json"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp,
                                               {**key, "Content-Type": "application/json"})
@@ -302,7 +304,7 @@ def test_calls_refuse_a_wrong_content_type_a_bad_offer_a_wrong_key_and_a_full_se
                                                     audio_only.localDescription.sdp, key)
         await audio_only.close()
         out["ok"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp, key)
-        pc2, sdp2 = await offer()
+        pc2, sdp2 = await _offer()
         out["full"] = await asyncio.to_thread(post, base + "/v1/realtime/calls", sdp2, key)
         out["open"] = server.open
         server.drain.draining = True  # SIGTERM (test_realtime_drain.py sends a real one to a server process)
@@ -334,17 +336,9 @@ def test_calls_are_limited_per_client_address_for_as_long_as_they_last(llama, tm
     """io.client_limits covers WebRTC as it covers WebSockets: one address holds at most its calls (a
     second is answered 429, before any peer connection is built), another address is not held back,
     and a call that ends gives its place back."""
-    async def offer() -> tuple[RTCPeerConnection, str]:
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        pc.addTrack(Microphone())
-        pc.createDataChannel("oai-events")
-        with host_addresses(["127.0.0.1"]):
-            await pc.setLocalDescription(await pc.createOffer())
-        return pc, pc.localDescription.sdp
-
     async def calls(base: str, server) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        peers = [await offer() for _ in range(4)]
+        peers = [await _offer() for _ in range(4)]
         calls_url = base + "/v1/realtime/calls"
         out["first"] = await asyncio.to_thread(post, calls_url, peers[0][1], None, "127.0.0.2")
         out["second"] = await asyncio.to_thread(post, calls_url, peers[1][1], None, "127.0.0.2")
