@@ -6,7 +6,9 @@ Each of N clients holds one conversation over the WebSocket, paced like a person
 listens to it for as long as its audio lasts, thinks ``--think-s``, and asks the next, ``--turns``
 times; the clients start ``--stagger-s`` apart. Voice-to-voice is the client's: the first reply
 audio received minus the question's true end of speech (a response the user talked over, a false
-end, is not counted; its audio is ignored).
+end, is not counted; its audio is ignored). A reply is played as it arrives: where the listener
+has heard all it got and the next audio is more than 50 ms late, that is a gap (counted per
+reply, with the longest): a reply written and spoken just in time must not stutter.
 
 Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never
 came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
@@ -52,6 +54,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 RATE = 24000  # the protocol's default PCM rate, both ways
 STEP = RATE // 50  # 20 ms per append
+GAP_S = 0.05  # a reply's audio this late after the listener has heard all it got is a gap
 QUESTIONS = [  # 2-3 s of speech each in the corpus voice (Piper en_US)
     "What is the tallest mountain in Europe, and how high is it?",
     "How long should I boil an egg for a soft breakfast?",
@@ -130,17 +133,20 @@ class Mic:
 
 class Listener:
     """The server's events for the turn at hand: the first audio after the question's end, the
-    completed response's audio length, errors."""
+    completed response's audio length, errors; and the reply played as it comes: a gap is where
+    the listener has heard all it got and the next audio is late (GAP_S of slack)."""
 
     def __init__(self) -> None:
         self.after = float("inf")
         self.first: float | None = None
         self.audio_bytes = 0
+        self.played_until = 0.0  # when the audio received so far will have been heard
+        self.gap_s = 0.0  # the reply's gaps, in all
         self.done = asyncio.Event()
         self.errors: list[str] = []
 
     def expect(self, after: float) -> None:
-        self.after, self.first, self.audio_bytes = after, None, 0
+        self.after, self.first, self.audio_bytes, self.gap_s = after, None, 0, 0.0
         self.done.clear()
 
     async def run(self, ws: Any) -> None:
@@ -149,7 +155,13 @@ class Listener:
             if '"response.output_audio.delta"' in text[:200]:
                 if now >= self.after:
                     self.first = self.first or now
-                    self.audio_bytes += len(base64.b64decode(json.loads(text)["delta"]))
+                    size = len(base64.b64decode(json.loads(text)["delta"]))
+                    self.audio_bytes += size
+                    if self.audio_bytes == size:
+                        self.played_until = now
+                    elif now > self.played_until + GAP_S:
+                        self.gap_s += now - self.played_until
+                    self.played_until = max(self.played_until, now) + size / 2 / RATE
                 continue
             event = json.loads(text)
             if event["type"] == "error":
@@ -163,7 +175,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
     from websockets.asyncio.client import connect
 
     await asyncio.sleep(k * args.stagger_s)
-    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": []}
+    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": [], "gap_ms": []}
     try:
         ws = await connect(f"{url}/realtime", max_size=None)
     except Exception as exc:
@@ -193,8 +205,8 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
                     break
                 out["v2v"].append((listener.first - t_end) * 1000)
                 out["reply_s"].append(listener.audio_bytes / 2 / RATE)
-                heard = listener.first + listener.audio_bytes / 2 / RATE
-                await asyncio.sleep(max(0.0, heard - time.monotonic()) + args.think_s)  # listen, then think
+                out["gap_ms"].append(listener.gap_s * 1000)
+                await asyncio.sleep(max(0.0, listener.played_until - time.monotonic()) + args.think_s)  # listen, think
         except Exception as exc:  # the server closed the connection, or the clients' loop failed
             out["errors"].append(f"{type(exc).__name__}: {exc}"[:80])
         finally:
@@ -207,7 +219,8 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
 async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace) -> dict:
     results = await asyncio.gather(*(conversation(url, k, said, args) for k in range(n)))
     return {"v2v": [v for r in results for v in r["v2v"]], "errors": [e for r in results for e in r["errors"]],
-            "refused": sum(r["refused"] for r in results), "reply_s": [v for r in results for v in r["reply_s"]]}
+            "refused": sum(r["refused"] for r in results), "reply_s": [v for r in results for v in r["reply_s"]],
+            "gap_ms": [v for r in results for v in r["gap_ms"]]}
 
 
 # -- the server of one tree ------------------------------------------------------------------------
@@ -314,7 +327,9 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
                                           "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
-                       "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2)}
+                       "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
+                       "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
+                                "max_ms": round(max(got["gap_ms"], default=0.0))}}
             print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
     finally:
         server.stop()
@@ -324,8 +339,9 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
 def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
     trees = list(results)
     head = "| conversations | " + " | ".join(
-        f"{t}: v2v p50 / p95 ms | errors | shed | CPU s/turn py / llm | reply s/turn" for t in trees) + " |"
-    lines = [head, "|---|" + "--:|--:|--:|--:|--:|" * len(trees)]
+        f"{t}: v2v p50 / p95 ms | errors | shed | CPU s/turn py / llm | reply s/turn | replies with gaps "
+        "(max ms)" for t in trees) + " |"
+    lines = [head, "|---|" + "--:|--:|--:|--:|--:|--:|" * len(trees)]
     for n in ns:
         cells = []
         for t in trees:
@@ -334,7 +350,8 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
             cpu = r["cpu_s_per_turn"]
             cells += [f"{r['p50']} / {r['p95']}", f"{r['errors']}" + (f" ({r['refused']} refused)" if r["refused"]
                                                                      else ""), shed,
-                      f"{cpu['python']} / {cpu['llama_server']}", f"{r.get('reply_s_per_turn', '')}"]
+                      f"{cpu['python']} / {cpu['llama_server']}", f"{r.get('reply_s_per_turn', '')}",
+                      f"{r['gaps']['replies']} ({r['gaps']['max_ms']})" if "gaps" in r else ""]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append("")
     for t in trees:

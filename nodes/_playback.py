@@ -9,7 +9,10 @@ second, and an LLM backend reads the first to cut its history to what was heard:
 It is also the session's playback clock. A sink that plays at the listener's pace (io=realtime,
 the speaker) marks it ``paced`` and tells it when a reply started playing and how much of it was
 sent; a TTS reads ``played_s(turn)`` to make a reply's later sentences just in time, ``tts.lead_s``
-ahead of the listener (``wait_played``). A file run's sink marks nothing: no pacing.
+ahead of the listener (``wait_played``), and tells it how much of a reply's text became how much
+audio (``spoken``); an LLM that streams from a server reads that to write a reply's later
+sentences ``llm.lead_s`` ahead of the listener (``ahead_s``, ``wait_ahead``). A file run's sink
+marks nothing: no pacing.
 
 The record lives in the run-wide ``ctx.run_state`` dict, so every node of a run sees the same one.
 """
@@ -25,6 +28,10 @@ from s2s_flow.node import Context
 
 __all__ = ["Playback", "playback_of", "truncate_to_heard"]
 
+#: seconds of speech per character of English text (~13 characters a second) until a voice has
+#: spoken enough of the run to measure its own pace
+DEFAULT_S_PER_CHAR = 0.075
+
 
 class Playback:
     """Thread-safe: written by the speaker's playback thread and the sink, read by other nodes."""
@@ -35,6 +42,8 @@ class Playback:
         self._heard: dict[int, str] = {}
         self._started: dict[int, float] = {}
         self._sent: dict[int, float] = {}  # seconds of each reply's audio sent to the listener
+        self._spoken: dict[int, tuple[int, float]] = {}  # per reply: characters synthesized, their seconds
+        self._s_per_char = DEFAULT_S_PER_CHAR  # the voice's pace, from what it has spoken
         #: set by a sink that plays at the listener's pace: a TTS paces its replies by this clock
         self.paced = False
         self._audible_until = 0.0
@@ -53,7 +62,47 @@ class Playback:
             for old in [t for t in self._sent if t < turn - 8]:  # replies long over
                 del self._sent[old]
                 self._started.pop(old, None)
+                self._spoken.pop(old, None)
             self._changed.notify_all()
+
+    def spoken(self, turn: int, chars: int, seconds: float) -> None:
+        """A TTS made ``seconds`` of audio out of ``chars`` more characters of ``turn``'s reply."""
+        with self._lock:
+            done, made = self._spoken.get(turn, (0, 0.0))
+            self._spoken[turn] = (done + chars, made + seconds)
+            if chars >= 8 and seconds > 0:  # the voice's pace, smoothed over its pieces
+                self._s_per_char += 0.3 * (seconds / chars - self._s_per_char)
+            self._changed.notify_all()
+
+    def ahead_s(self, turn: int, chars: int, now: float | None = None) -> float:
+        """How far ahead of the listener ``turn``'s reply is once it has ``chars`` characters of text:
+        its audio made and not heard yet, and its text not spoken yet at the voice's pace (s)."""
+        with self._lock:
+            return self._ahead(turn, chars, time.monotonic() if now is None else now)
+
+    def _ahead(self, turn: int, chars: int, now: float) -> float:
+        done, made = self._spoken.get(turn, (0, 0.0))
+        return max(0.0, made - self._played(turn, now)) + max(0, chars - done) * self._s_per_char
+
+    def wait_ahead(self, turn: int, chars: int, lead_s: float, cancelled: Callable[[], bool],
+                   stall_s: float = 10.0) -> str:
+        """Block until a reply of ``chars`` characters is at most ``lead_s`` ahead of the listener:
+        ``"due"``; ``"cancelled"`` once ``cancelled()`` (a barge-in, the end: :meth:`wake`); ``"stalled"``
+        for a reply nobody plays (its voice failed, its turn held): ``stall_s`` with nothing more
+        made or heard of it."""
+        with self._lock:
+            last, since = None, time.monotonic()
+            while not cancelled():
+                now = time.monotonic()
+                if self._ahead(turn, chars, now) <= lead_s:
+                    return "due"
+                state = (self._spoken.get(turn), self._played(turn, now))
+                if state != last:
+                    last, since = state, now
+                elif now - since >= stall_s:
+                    return "stalled"
+                self._changed.wait(0.1)
+        return "cancelled"
 
     def played_s(self, turn: int, now: float | None = None) -> float:
         """How much of ``turn``'s reply the listener has heard by ``now``: the time since it started

@@ -133,6 +133,7 @@ class LLMBase(Node, SessionLLM):
         if current is not None and current < turn:
             self.stop_reply()
         self.toolbox.wake()  # a wait for tools checks whether its turn is stale
+        playback_of(self.ctx).wake()  # so does a reply waiting for its listener (llm.lead_s)
 
     def close(self) -> None:
         self.stop_reply()

@@ -13,8 +13,9 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from nodes._http import DEFAULT_BASE_URL, Aborted, HttpPolicy, RemoteClient, RemoteError, RemoteRefused
+from nodes._playback import playback_of
 from nodes.llm._base import LLMBase, check_range
-from nodes.llm._conversation import Exchange, ToolCall
+from nodes.llm._conversation import Exchange, SentenceSplitter, ToolCall
 from nodes.llm._tools import forces_call
 from s2s_flow.errors import ConfigError
 
@@ -34,6 +35,8 @@ class RemoteLLM(LLMBase):
     path: ClassVar[str]
     api_name: ClassVar[str]
     hint_404: ClassVar[str] = ""
+    #: a request can go on with a reply cut short (:meth:`continued`): what ``lead_s`` needs
+    continues_replies: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -54,9 +57,16 @@ class RemoteLLM(LLMBase):
         read_timeout: float = 60.0,
         max_retries: int = 2,
         tool_call_prefill: str | None = None,
+        lead_s: float | None = None,
         **options: Any,
     ) -> None:
         """``options``: the conversation and tool options of every LLM (``LLMBase``)."""
+        check_range(lead_s is None or lead_s > 0, "lead_s", lead_s, "null (off) or seconds > 0, e.g. 4")
+        if lead_s is not None and not self.continues_replies:
+            raise ConfigError(
+                f"llm.lead_s={lead_s} needs a server that goes on with a reply cut short, and {self.api_name} "
+                f"has no such request: use llm=chat (llama-server continues a final assistant message) or set "
+                f"llm.lead_s=null")
         check_range(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
         check_range(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
         check_range(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
@@ -92,6 +102,9 @@ class RemoteLLM(LLMBase):
         #: lets a model talk first (and a small one never stops); with the template's call tag
         #: (Qwen / Hermes: "<tool_call>\n") the model can only write the call, which the server parses
         self.tool_call_prefill = tool_call_prefill or None
+        #: a spoken reply is written no further than this ahead of its listener (paced sinks only): the
+        #: request is cut at a sentence end and continued when the listener catches up; None: at once
+        self.lead_s = lead_s
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.client.base_url!r}, model={self.model!r})"
@@ -192,7 +205,9 @@ class RemoteLLM(LLMBase):
     def respond(self, exchange: Exchange, tool_choice: str) -> Iterator[str | ToolCall]:
         """One request: text as it streams, then the tool calls asked for. Before the first
         token of a turn a failure raises; after it (or after a tool round), the reply ends
-        where it broke (logged): an answer is never replayed from the start."""
+        where it broke (logged): an answer is never replayed from the start. With ``lead_s``
+        the request is cut at a sentence end once the reply is that far ahead of its listener,
+        and continued (the reply so far as the assistant's message) when the listener catches up."""
         turn = exchange.turn
         if self.stale(turn):
             return
@@ -208,13 +223,26 @@ class RemoteLLM(LLMBase):
                     self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
                 )
                 return
-            stream = self.client.post_stream(self.path, body, api=self.api_name, hint_404=self.hint_404)
-            with stream as events:
-                for text in self.stream_texts(events):
-                    if self.stale(turn):
+            pace, first = self._pacer(turn, body), body
+            while True:
+                stream = self.client.post_stream(self.path, body, api=self.api_name, hint_404=self.hint_404)
+                with stream as events:
+                    for text in self.stream_texts(events):
+                        if self.stale(turn):
+                            return
+                        if pace is not None and isinstance(text, str) and not (text := pace.new(text)):
+                            continue
+                        produced = True
+                        yield text
+                        if pace is not None and isinstance(text, str) and pace.cut(text):
+                            break  # leaving the block closes the connection: the server stops generating
+                    else:
                         return
-                    produced = True
-                    yield text
+                if not pace.resume(lambda: self.stale(turn) or self.ctx.stopping.is_set()):
+                    return
+                body = self.continued(first, pace.said)
+                if self.max_tokens is not None:
+                    body["max_tokens"] = self.max_tokens - pace.pieces
         except RemoteError as exc:
             if self.stale(turn) or isinstance(exc, Aborted):
                 return  # barge-in closed the stream on purpose
@@ -224,3 +252,61 @@ class RemoteLLM(LLMBase):
             raise self.explain(exc) from None
         finally:
             self._turn = None
+
+    def continued(self, body: dict[str, Any], said: str) -> dict[str, Any]:
+        """The request that goes on with a reply cut after ``said`` (``continues_replies`` backends)."""
+        raise NotImplementedError
+
+    def _pacer(self, turn: int, body: dict[str, Any]) -> _Pacer | None:
+        """A reply written just in time (``lead_s``): a spoken reply to a listener at its own pace,
+        in a request that offers no tools (a cut could split the server's reading of a call)."""
+        playback = playback_of(self.ctx)
+        if self.lead_s is None or not playback.paced or not self.ctx.session.speaks(turn) or body.get("tools"):
+            return None
+        return _Pacer(playback, turn, self.lead_s, self.max_tokens, self.ctx)
+
+
+class _Pacer:
+    """The reply of one request as it streams, cut at a sentence end once it is ``lead_s`` ahead of
+    its listener (nodes/_playback.py: what was made of it and not heard, and its text not yet
+    spoken); it resumes when the listener is that close again."""
+
+    def __init__(self, playback: Any, turn: int, lead_s: float, max_tokens: int | None, ctx: Any) -> None:
+        self.playback, self.turn, self.lead_s, self.max_tokens, self.ctx = playback, turn, lead_s, max_tokens, ctx
+        self.said = ""  # the reply so far, across its requests
+        self.pieces = 0  # streamed pieces so far: tokens, as llama-server sends them
+        self._splitter = SentenceSplitter()
+        self._echo: str | None = None  # a continuation's text until it is known whether it echoes ``said``
+
+    def new(self, text: str) -> str:
+        """What of a streamed piece is new: llama-server streams a continued reply from its start
+        (the reply so far, then the new tokens), another server only the new tokens. A continuation's
+        text is held until it either covers the reply so far (dropped) or differs from it (all new)."""
+        if self._echo is None:
+            return text
+        got, said = self._echo + text, self.said
+        if said.startswith(got):
+            self._echo = got
+            return ""
+        self._echo = None
+        return got[len(said):] if got.startswith(said) else got
+
+    def cut(self, text: str) -> bool:
+        """Whether to stop the request after ``text``: a sentence just ended and the reply is ahead."""
+        self.said += text
+        self.pieces += 1
+        if self.max_tokens is not None and self.pieces >= self.max_tokens:
+            return False  # its last token: the server ends it
+        ended = any(end for _, end in self._splitter.feed(text))
+        return ended and self.playback.ahead_s(self.turn, len(self.said)) > self.lead_s
+
+    def resume(self, cancelled: Any) -> bool:
+        """Wait for the listener; False when the turn is over meanwhile (a barge-in, the end)."""
+        self.ctx.record("llm_paused", turn=self.turn, chars=len(self.said))
+        outcome = self.playback.wait_ahead(self.turn, len(self.said), self.lead_s, cancelled)
+        if outcome == "stalled":
+            self.ctx.log.info("turn %d: nothing of the reply was played for a while: it is written on without "
+                              "waiting for its listener", self.turn)
+            self.lead_s = float("inf")
+        self._echo = ""
+        return outcome != "cancelled"

