@@ -118,10 +118,9 @@ def test_the_reply_is_written_no_further_ahead_of_the_listener_than_the_lead(api
     said, worst = max(call.ahead, key=lambda noted: noted[1])
     assert worst <= bound, f"the reply came {worst:.1f} s ahead of its listener (lead {LEAD_S} s) at {said!r}"
     assert len(whole) * 0.075 > 2 * bound, "the unpaced reply must run far past the bound for it to mean something"
-    # one reply, not several: it goes on from where it was cut, never starting over
-    opening = " ".join(whole.split()[:8])  # the first request is the same as the unpaced one
-    assert " ".join(paced.split()).startswith(opening) and " ".join(paced.split()).count(opening) == 1, paced
-    assert len(paced.split()) >= 30, paced
+    # one reply, not several: greedy, it goes on from where it was cut to the very reply written at
+    # once (the server's cache holds the reply's tokens; only the last one is read again)
+    assert paced == whole
     assert llm.conversation.exchanges[-1].reply == paced
 
 
@@ -143,10 +142,11 @@ def test_a_barge_in_while_the_reply_waits_for_its_listener_ends_it_unwritten(api
     assert events.count("llm_paused") == 1
 
 
-def test_lead_s_needs_a_server_that_goes_on_with_a_reply(api: str) -> None:
+def test_lead_s_is_checked_and_a_backend_that_cannot_continue_says_it_writes_at_once(api: str, caplog) -> None:
     from nodes.llm.responses import ResponsesLLM
 
-    with pytest.raises(ConfigError, match=r"llm.lead_s=4 .*llm=chat"):
-        ResponsesLLM(base_url=api, lead_s=4)
+    with caplog.at_level("WARNING", logger="s2s_flow.llm"):
+        assert ResponsesLLM(base_url=api, lead_s=4).lead_s is None  # recipe=local_cpu llm=responses stays valid
+    assert "llm.lead_s=4 is not used" in caplog.text
     with pytest.raises(ConfigError, match="llm.lead_s"):
         ChatCompletionsLLM(base_url=api, lead_s=0)

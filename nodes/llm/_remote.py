@@ -8,6 +8,8 @@ calls come out of its stream events, and how they come out of a non-streamed ans
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -62,11 +64,11 @@ class RemoteLLM(LLMBase):
     ) -> None:
         """``options``: the conversation and tool options of every LLM (``LLMBase``)."""
         check_range(lead_s is None or lead_s > 0, "lead_s", lead_s, "null (off) or seconds > 0, e.g. 4")
-        if lead_s is not None and not self.continues_replies:
-            raise ConfigError(
-                f"llm.lead_s={lead_s} needs a server that goes on with a reply cut short, and {self.api_name} "
-                f"has no such request: use llm=chat (llama-server continues a final assistant message) or set "
-                f"llm.lead_s=null")
+        if lead_s is not None and not self.continues_replies:  # a recipe's setting, kept for llm=chat
+            logging.getLogger("s2s_flow.llm").warning(
+                "llm.lead_s=%s is not used: the %s cannot go on with a reply cut short, so replies are written "
+                "at once (llm=chat with llama-server writes them just in time)", lead_s, self.api_name)
+            lead_s = None
         check_range(temperature is None or 0 <= temperature <= 2, "temperature", temperature, "0 to 2")
         check_range(top_p is None or 0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
         check_range(max_tokens is None or max_tokens >= 1, "max_tokens", max_tokens, "at least 1")
@@ -105,6 +107,7 @@ class RemoteLLM(LLMBase):
         #: a spoken reply is written no further than this ahead of its listener (paced sinks only): the
         #: request is cut at a sentence end and continued when the listener catches up; None: at once
         self.lead_s = lead_s
+        self._pace: _Pacer | None = None  # the last reply's pacing: its margin carries on to the next
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.client.base_url!r}, model={self.model!r})"
@@ -263,20 +266,29 @@ class RemoteLLM(LLMBase):
         playback = playback_of(self.ctx)
         if self.lead_s is None or not playback.paced or not self.ctx.session.speaks(turn) or body.get("tools"):
             return None
-        return _Pacer(playback, turn, self.lead_s, self.max_tokens, self.ctx)
+        self._pace = _Pacer(playback, turn, self.lead_s, self.max_tokens, self.ctx,
+                            margin_s=self._pace.margin_s if self._pace is not None else 0.0)
+        return self._pace
 
 
 class _Pacer:
     """The reply of one request as it streams, cut at a sentence end once it is ``lead_s`` ahead of
     its listener (nodes/_playback.py: what was made of it and not heard, and its text not yet
-    spoken); it resumes when the listener is that close again."""
+    spoken); it resumes when the listener is that close again.
 
-    def __init__(self, playback: Any, turn: int, lead_s: float, max_tokens: int | None, ctx: Any) -> None:
+    The lead grows with what a continuation takes on this machine now: twice the slowest wait for
+    a continuation's first new words (a loaded server answers later), fading by a fifth per
+    continuation when it answers quickly again, kept by the node from one reply to the next."""
+
+    def __init__(self, playback: Any, turn: int, lead_s: float, max_tokens: int | None, ctx: Any,
+                 margin_s: float = 0.0) -> None:
         self.playback, self.turn, self.lead_s, self.max_tokens, self.ctx = playback, turn, lead_s, max_tokens, ctx
+        self.margin_s = margin_s  # added to the lead: what continuations have taken lately
         self.said = ""  # the reply so far, across its requests
         self.pieces = 0  # streamed pieces so far: tokens, as llama-server sends them
         self._splitter = SentenceSplitter()
         self._echo: str | None = None  # a continuation's text until it is known whether it echoes ``said``
+        self._resumed: float | None = None  # when the continuation in flight was sent
 
     def new(self, text: str) -> str:
         """What of a streamed piece is new: llama-server streams a continued reply from its start
@@ -289,6 +301,9 @@ class _Pacer:
             self._echo = got
             return ""
         self._echo = None
+        if self._resumed is not None:  # the continuation's first new words: how long they took
+            waited, self._resumed = time.monotonic() - self._resumed, None
+            self.margin_s = max(0.8 * self.margin_s, 2 * waited)
         return got[len(said):] if got.startswith(said) else got
 
     def cut(self, text: str) -> bool:
@@ -298,15 +313,15 @@ class _Pacer:
         if self.max_tokens is not None and self.pieces >= self.max_tokens:
             return False  # its last token: the server ends it
         ended = any(end for _, end in self._splitter.feed(text))
-        return ended and self.playback.ahead_s(self.turn, len(self.said)) > self.lead_s
+        return ended and self.playback.ahead_s(self.turn, len(self.said)) > self.lead_s + self.margin_s
 
     def resume(self, cancelled: Any) -> bool:
         """Wait for the listener; False when the turn is over meanwhile (a barge-in, the end)."""
         self.ctx.record("llm_paused", turn=self.turn, chars=len(self.said))
-        outcome = self.playback.wait_ahead(self.turn, len(self.said), self.lead_s, cancelled)
+        outcome = self.playback.wait_ahead(self.turn, len(self.said), self.lead_s + self.margin_s, cancelled)
         if outcome == "stalled":
             self.ctx.log.info("turn %d: nothing of the reply was played for a while: it is written on without "
                               "waiting for its listener", self.turn)
             self.lead_s = float("inf")
-        self._echo = ""
+        self._echo, self._resumed = "", time.monotonic()
         return outcome != "cancelled"
