@@ -28,10 +28,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
-__all__ = ["KINDS", "Cancelled", "Scheduler", "Session", "Shed", "scheduler", "snapshot", "SHED_AFTER_S"]
+__all__ = ["KINDS", "Cancelled", "CriticalPath", "Scheduler", "Session", "Shed", "critical", "scheduler", "snapshot",
+           "SHED_AFTER_S"]
 
 #: the kinds of work, in the order they are served
 KINDS = ("first", "later", "speculative", "partial")
@@ -99,6 +100,50 @@ class Session:
         return not cancelled()
 
 
+class CriticalPath:
+    """Confirmed ``first`` work in flight on this machine, of any model and any session: a listener
+    waits for each. Held by a scheduler's ``first`` slots (queued or running) and by an LLM's first
+    sentence on its server; work with slack (a reply's later sentences, written and spoken ahead of
+    the listener) yields to it while it has slack, so the cores go to the first words::
+
+        critical.yield_to(lambda: ahead_of_listener() > 0.5, cancelled)   # later work, before it starts
+    """
+
+    def __init__(self) -> None:
+        self._held = 0
+        self._idle = threading.Condition()
+        self.yielded_s = 0.0  # how long later work waited for it, in all (for /metrics)
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        with self._idle:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._held -= 1
+                self._idle.notify_all()
+
+    def busy(self) -> bool:
+        return self._held > 0
+
+    def yield_to(self, slack: Callable[[], bool], cancelled: Callable[[], bool]) -> float:
+        """Wait while first work is in flight and ``slack()`` says this work can still wait (its
+        listener has audio enough), or until ``cancelled()``; the seconds waited."""
+        start = time.monotonic()
+        with self._idle:
+            while self._held and not cancelled() and slack():
+                self._idle.wait(_CANCEL_CHECK_S)
+            waited = time.monotonic() - start
+            self.yielded_s += waited
+        return waited
+
+
+#: the machine's critical path: every scheduler's first work and the LLMs' first sentences
+critical = CriticalPath()
+
+
 class _Waiter:
     __slots__ = ("kind", "asked", "deadline", "session", "turn", "since", "granted", "wake")
 
@@ -132,11 +177,13 @@ class Scheduler:
         """Hold one of the model's slots for the block (yields the kind it ran as); raises
         :class:`Shed` for speculative or partial work that waited too long, :class:`Cancelled` when
         ``cancelled()`` turned true while it waited."""
-        kind = self.acquire(kind, deadline=deadline, session=session, turn=turn, cancelled=cancelled)
-        try:
-            yield kind
-        finally:
-            self.release()
+        first = (session.kind(kind, turn) if session is not None else kind) == "first"
+        with critical.holding() if first else nullcontext():  # queued or running: a listener waits
+            kind = self.acquire(kind, deadline=deadline, session=session, turn=turn, cancelled=cancelled)
+            try:
+                yield kind
+            finally:
+                self.release()
 
     def acquire(self, kind: str = "first", *, deadline: float | None = None, session: Session | None = None,
                 turn: int | None = None, cancelled: Callable[[], bool] | None = None) -> str:

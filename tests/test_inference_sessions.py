@@ -127,6 +127,37 @@ def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than
         assert made - played <= lead + 1e-6, (text, made, played)
 
 
+def test_a_replys_later_sentence_waits_while_another_sessions_first_words_are_made_until_its_listener_needs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lead = 1.5
+    tts = session_tts(tmp_path, "later", lead_s=lead)
+    clock = playback_of(tts.ctx)
+    clock.paced = True
+    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(3)))
+
+    def play(delta: TextDelta) -> None:  # the sink: at 1x from the reply's first chunk
+        for audio in tts.process("text", delta):
+            if len(audio.pcm):
+                clock.started(3, time.monotonic())
+                clock.sent(3, len(audio.pcm) / audio.rate)
+
+    play(TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
+                   sentence_end=True))
+    assert tts._made_s > lead + 1.0, "the test needs more audio than the lead before the later sentence"
+    yielded = inference.critical.yielded_s
+    with inference.critical.holding():  # another session's confirmed first clause is being made
+        later = threading.Thread(target=play, args=(TextDelta(turn=3, text=" And a later one.", sentence_end=True),),
+                                 daemon=True)
+        later.start()
+        done(later)
+    (_, made, played), = order[1:]
+    # without the other session it starts at the lead (made - played <= 1.5 s: the test above); for
+    # it, it waited until the listener had no more than a third of the lead left to hear
+    assert made - played <= lead / 3 + 1e-6, (made, played)
+    assert inference.critical.yielded_s - yielded >= lead / 3, "counted as time yielded"
+
+
 def test_speculative_synthesis_yields_to_confirmed_work_and_is_shed_under_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

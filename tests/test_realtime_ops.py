@@ -264,6 +264,31 @@ def test_a_10_mb_frame_closes_its_connection_with_1009_and_the_others_go_on(llam
         assert _next(other, "response.done")["response"]["status"] == "completed"
 
 
+def test_a_session_graph_is_built_at_its_clients_first_valid_event_never_for_one_that_sends_none(
+        llama, tmp_path):  # noqa: F811
+    with serving(llama, tmp_path) as (url, server):
+        built: list[Any] = []
+        make_graph = server.make_graph
+        server.make_graph = lambda: built.append(make_graph()) or built[-1]
+        with _raw(url, max_size=None) as big:
+            assert _next(big, "session.created")["session"]["audio"]["output"]["voice"], "settings, no graph"
+            big.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (10 << 20)}))
+            assert _closed_code(big) == 1009
+        with _raw(url) as junk:
+            _next(junk, "session.created")
+            junk.send("not json")
+            assert _next(junk, "error")["error"]["code"] == "invalid_json"
+            junk.send(json.dumps({"type": "no.such.event"}))
+            assert _next(junk, "error")["error"]["code"] == "unknown_event"
+            assert built == [], "a session that sent nothing of the protocol built a graph"
+            junk.send(json.dumps({"type": "session.update", "session": {"instructions": "Be brief."}}))
+            assert _next(junk, "session.updated")["session"]["instructions"] == "Be brief."
+            assert len(built) == 1
+            _speak(junk, QUESTION)
+            assert _next(junk, "response.done")["response"]["status"] == "completed"
+        until(lambda: server.open == 0, what="the sessions to end")
+
+
 def test_a_reconnect_storm_gets_sessions_or_clean_refusals_and_leaves_nothing_behind(llama, tmp_path):  # noqa: F811
     with serving(llama, tmp_path, "io.max_sessions=8") as (url, server):
         with _raw(url) as warm:  # the first session's threads and pools, before counting

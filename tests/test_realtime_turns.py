@@ -188,9 +188,9 @@ def test_prefix_padding_starts_the_turns_audio_before_the_speech(llama, tmp_path
 
 
 def _requests(proxy: RecordingProxy, since: int, last_user: str) -> list[list[dict[str, Any]]]:
-    """The messages of each chat request llama-server received since ``since`` whose newest user
-    message says ``last_user``."""
-    bodies = proxy.bodies("/chat/completions", since)
+    """The messages of each reply's first chat request llama-server received since ``since`` whose
+    newest user message says ``last_user`` (not the requests that continue a reply: llm.lead_s)."""
+    bodies = [b for b in proxy.bodies("/chat/completions", since) if b["messages"][-1]["role"] != "assistant"]
     return [b["messages"] for b in bodies if [m for m in b["messages"] if m["role"] == "user"][-1:]
             and [m for m in b["messages"] if m["role"] == "user"][-1]["content"].endswith(last_user)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -19,6 +20,7 @@ from nodes._playback import playback_of
 from nodes.llm._base import LLMBase, check_range
 from nodes.llm._conversation import Exchange, SentenceSplitter, ToolCall
 from nodes.llm._tools import forces_call
+from s2s_flow import inference
 from s2s_flow.errors import ConfigError
 
 __all__ = ["RemoteLLM"]
@@ -218,6 +220,7 @@ class RemoteLLM(LLMBase):
         produced = bool(exchange.rounds)
         self.client.begin()
         self._turn = turn
+        hold = ExitStack()
         try:
             if self.stale(turn):  # interrupted while the request was being built
                 return
@@ -227,6 +230,10 @@ class RemoteLLM(LLMBase):
                 )
                 return
             pace, first = self._pacer(turn, body), body
+            # a confirmed turn's first sentence is the machine's critical path (s2s_flow/inference.py)
+            opening = SentenceSplitter() if not produced and self.ctx.work.kind("first", turn) == "first" else None
+            if opening is not None:
+                hold.enter_context(inference.critical.holding())
             while True:
                 stream = self.client.post_stream(self.path, body, api=self.api_name, hint_404=self.hint_404)
                 with stream as events:
@@ -236,6 +243,9 @@ class RemoteLLM(LLMBase):
                         if pace is not None and isinstance(text, str) and not (text := pace.new(text)):
                             continue
                         produced = True
+                        if opening is not None and isinstance(text, str) and any(e for _, e in opening.feed(text)):
+                            opening = None
+                            hold.close()  # the first sentence is out: later work may go on
                         yield text
                         if pace is not None and isinstance(text, str) and pace.cut(text):
                             break  # leaving the block closes the connection: the server stops generating
@@ -254,6 +264,7 @@ class RemoteLLM(LLMBase):
                 return
             raise self.explain(exc) from None
         finally:
+            hold.close()
             self._turn = None
 
     def continued(self, body: dict[str, Any], said: str) -> dict[str, Any]:
@@ -319,6 +330,9 @@ class _Pacer:
         """Wait for the listener; False when the turn is over meanwhile (a barge-in, the end)."""
         self.ctx.record("llm_paused", turn=self.turn, chars=len(self.said))
         outcome = self.playback.wait_ahead(self.turn, len(self.said), self.lead_s + self.margin_s, cancelled)
+        if outcome == "due":  # another session's first words go first while this reply has slack
+            inference.critical.yield_to(lambda: self.playback.ahead_s(self.turn, len(self.said)) > self.lead_s / 2,
+                                        cancelled)
         if outcome == "stalled":
             self.ctx.log.info("turn %d: nothing of the reply was played for a while: it is written on without "
                               "waiting for its listener", self.turn)

@@ -36,7 +36,7 @@ from nodes._live import turn_failed
 from nodes._playback import playback_of
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
-from s2s_flow.inference import Cancelled, Shed
+from s2s_flow.inference import Cancelled, Shed, critical
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node, Voiced
 
@@ -305,9 +305,11 @@ class SentenceTTS(Node, Voiced):
         playback = playback_of(self.ctx)
         if not playback.paced:
             return "later", None
+        cancelled = lambda: self.interrupted(turn) or self.ctx.stopping.is_set()  # noqa: E731
         if self.lead_s and self._made_s > self.lead_s:
-            playback.wait_played(turn, self._made_s - self.lead_s,
-                                 cancelled=lambda: self.interrupted(turn) or self.ctx.stopping.is_set())
+            playback.wait_played(turn, self._made_s - self.lead_s, cancelled=cancelled)
+        if self.lead_s:  # another session's first words go first while the listener has audio enough
+            critical.yield_to(lambda: self._made_s - playback.played_s(turn) > self.lead_s / 3, cancelled)
         return "later", time.monotonic() + max(0.0, self._made_s - playback.played_s(turn))
 
     def _made_in_slot(self, stream: Iterator[np.ndarray], kind: str, turn: int, deadline: float | None) -> Any:

@@ -184,4 +184,9 @@ class InferenceCollector:
                 wait.add_metric([model, kind], s)
             for kind, n in sorted((figures.get("shed") or {}).items()):
                 shed.add_metric([model, kind], n)
-        yield from (queued, running, wait, shed)
+        yielded = CounterMetricFamily("s2s_inference_yielded_seconds", "Time a reply's later sentences waited "
+                                      "for other sessions' first words (the machine's critical path)")
+        from s2s_flow.inference import critical
+
+        yielded.add_metric([], critical.yielded_s)
+        yield from (queued, running, wait, shed, yielded)

@@ -34,8 +34,11 @@ MAX_BUFFER_S = 300  # manual turns: the input audio buffer holds at most this mu
 class ClientEvents:
     """The handlers of one session's client events (run on the connection's event loop)."""
 
-    def __init__(self, session: Session, max_frame_bytes: int) -> None:
+    def __init__(self, session: Session, max_frame_bytes: int, first: Callable[[], None] = lambda: None) -> None:
         self.session, self.max_frame_bytes = session, max_frame_bytes
+        #: called once, before the first event of the protocol is handled: the session's graph is built
+        #: then, so that a client that sends nothing valid never costs one
+        self._first: Callable[[], None] | None = first
         self.buffered = 0  # manual turns: samples appended since the last commit or clear
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "input_audio_buffer.append": self.append,
@@ -85,6 +88,9 @@ class ClientEvents:
         handler = self._handlers.get(kind)
         if handler is None:
             raise ProtocolError("unsupported_event", f"{kind} is not supported by this server yet")
+        if self._first is not None:
+            first, self._first = self._first, None
+            first()
         handler(event)
 
     # -- the input audio buffer ---------------------------------------------------------------

@@ -35,7 +35,10 @@ class NodeSettings:
         self.sees_images = False  # the LLM takes images (llm=chat llm.vision=true)
 
     def bind(self, graph: Any) -> None:
-        """Find them in the session's graph; the session's settings start as theirs."""
+        """Find them in the session's graph; the session's settings start as theirs. Bound again to
+        another graph of the same config (the server's template, then the session's own), the
+        settings are the same and the nodes the new graph's."""
+        self.vad, self.vad_kind, self.tts, self.llm = None, "none", None, None
         llm_name = None
         for name, spec in graph.nodes.items():
             node = spec.node

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.admission import Admission
@@ -122,6 +122,7 @@ class RealtimeServer:
         self._thread: threading.Thread | None = None
         self._keep: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._template: Any = None  # a graph of the config, never run: what a new session is told it has
         self.guard = Guard(options.host, options.allowed_origins, options.allowed_hosts)
         self.drain = Drain(options.drain_timeout_s)
         self.clients = ClientLimits(options.client_limits)
@@ -138,9 +139,16 @@ class RealtimeServer:
                                 forwarded_allow_ips=o.client_limits.proxies)  # X-Forwarded-For: clients.py
         return drainable_server(config, self.drain)
 
+    def template(self) -> Any:
+        """A graph of the served config, built once and never run: a new session's settings
+        (``session.created``) come from its nodes until the session's own graph is built."""
+        if self._template is None:
+            self._template = self.make_graph()
+        return self._template
+
     def preload(self) -> None:
         """Load every shared resource once now (and keep it), so the first caller waits for nothing."""
-        graph = self.make_graph()
+        graph = self.template()
         for spec in graph.nodes.values():
             node = spec.node
             if node.shared_key() is not None:
@@ -315,6 +323,10 @@ class _Connection(Receiver):
     """One WebSocket: its session's graph on its threads, the frames in to the client-event handlers
     (receive.py's loop), the session's events out through a bounded queue."""
 
+    #: the session's graph is built at the client's first event of the protocol, not at connect (a
+    #: WebRTC call's microphone is its audio track, which sends no event: its graph is built at once)
+    lazy_graph: ClassVar[bool] = True
+
     def __init__(self, server: RealtimeServer, ws: Any, send: Any) -> None:
         self.server, self.ws, self._send = server, ws, send
         self.loop = asyncio.get_running_loop()
@@ -325,7 +337,8 @@ class _Connection(Receiver):
         self.ending = asyncio.Event()
         self.rate = EventRate(server.options.max_events_per_s)
         self.session = Session(self._emit, SessionConfig(), observe=server.observe)
-        self.handlers = ClientEvents(self.session, server.options.max_frame_bytes)
+        self.handlers = ClientEvents(self.session, server.options.max_frame_bytes, first=self._start_graph)
+        self._graph: tuple[Any, threading.Thread] | None = None  # the session's scheduler and its thread, once built
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
         self.heard_at = time.monotonic()  # the client's last event
 
@@ -353,9 +366,13 @@ class _Connection(Receiver):
         self.queued += len(text)
         self.out.put_nowait(text)
 
-    async def serve(self) -> None:
+    def _start_graph(self) -> None:
+        """The session's graph, built and started at its client's first event of the protocol (a
+        connection that sends nothing valid, or nothing, costs none)."""
         from s2s_flow.scheduler import Scheduler
 
+        if self._graph is not None:
+            return
         server, session = self.server, self.session
         graph = server.make_graph()
         session.nodes.bind(graph)
@@ -364,17 +381,27 @@ class _Connection(Receiver):
         scheduler = Scheduler(graph, run_dir, own_gc=False, session=session)
         thread = threading.Thread(target=self._run_graph, args=(scheduler, graph, run_dir),
                                   name=f"session:{session.id}", daemon=True)
+        self._graph = (scheduler, thread)
+        thread.start()
+
+    async def serve(self) -> None:
+        session = self.session
+        session.nodes.bind(self.server.template())  # what it is told it has, until its own graph is built
         session.send(events.session_created(session.config.to_event(session.id)))
         sender = asyncio.create_task(self._sender())
-        thread.start()
+        if not self.lazy_graph:
+            self._start_graph()
         try:
             await self._receive()
         finally:
-            scheduler.stop("the client left")
+            if self._graph is not None:
+                self._graph[0].stop("the client left")
             session.close_input()
             session.tools.release("cancelled: the client left")
-            error = await self.done
-            thread.join()
+            error = None
+            if self._graph is not None:
+                error = await self.done
+                self._graph[1].join()
             if self.overflow.is_set():
                 sender.cancel()
                 self.out = asyncio.Queue()  # what it did not read is let go now

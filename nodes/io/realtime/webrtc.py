@@ -107,6 +107,7 @@ class _Call:
     WebSocket's: server.py's ``_Connection``, given by the server, which imports this module),
     whose ``serve`` runs the session; this class moves its events and audio."""
 
+    lazy_graph = False  # the microphone is the call's audio track: no client event comes first
     session: Any
     handlers: Any
     server: Any
