@@ -66,6 +66,17 @@ def _llama_ctx(per_slot: int, extra: int = 0, *, _root_: DictConfig) -> int:
     return int(per_slot) * _llama_slots(extra, _root_=_root_)
 
 
+def _llama_threads(many: int, *, _root_: DictConfig) -> int:
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return -1 if sessions_at_once(_root_) < int(many) else max(1, cores // 2)
+
+
+# ${s2s.llama_threads:MANY}: llama-server's -t for this run: every core (-1) for fewer than MANY
+# sessions at once, half of them (at least 1) for MANY or more, where its threads' spin-waits for each
+# other on a busy machine cost more than a second thread gains (benchmarks/bench_realtime.py
+# --conversations; the figures are in the recipe that uses it).
 # ${s2s.llama_slots:EXTRA}: llama-server's -np for this run, one slot per session served at once
 # (sessions_at_once) plus EXTRA (e.g. 1 for the text turn scorer's requests); ${s2s.llama_ctx:
 # PER_SLOT,EXTRA}: its -c, the total context, so that each of those slots keeps PER_SLOT tokens.
@@ -74,6 +85,8 @@ if not OmegaConf.has_resolver("s2s.llama_slots"):
     OmegaConf.register_new_resolver("s2s.llama_slots", _llama_slots)
 if not OmegaConf.has_resolver("s2s.llama_ctx"):
     OmegaConf.register_new_resolver("s2s.llama_ctx", _llama_ctx)
+if not OmegaConf.has_resolver("s2s.llama_threads"):
+    OmegaConf.register_new_resolver("s2s.llama_threads", _llama_threads)
 
 
 def conf_dir() -> Path:

@@ -3,6 +3,8 @@ recipe=local_cpu sets them, and the first clause, for the 2-core offline stack."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from s2s_flow.cli import plan
@@ -38,6 +40,10 @@ def test_the_turn_model_runs_on_the_threads_it_is_given():
 def test_local_cpu_sets_piper_threads_and_llama_server_threads_come_from_config():
     cfg, choices = compose(["recipe=local_cpu"])
     assert ServerSpec.from_config(cfg.server).env["LLAMA_ARG_THREADS"] == "-1"  # llama-server's default
+    for sessions, threads in ((2, "-1"), (4, str(max(1, len(os.sched_getaffinity(0)) // 2)))):
+        cfg, _ = compose(["recipe=local_cpu", "io=realtime", f"io.max_sessions={sessions}"])
+        assert ServerSpec.from_config(cfg.server).env["LLAMA_ARG_THREADS"] == threads, sessions  # many: half the cores
+    cfg, choices = compose(["recipe=local_cpu"])
     assert (cfg.tts.threads, cfg.stt.cpu_threads, cfg.tts.first_clause_words) == ("auto", "auto", 4)
     plan(cfg, choices)
     cfg, choices = compose(["recipe=local_cpu", "server.env.LLAMA_ARG_THREADS=1"])
