@@ -44,6 +44,7 @@ _NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eigh
 _TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 _SCALES = ["", "thousand", "million", "billion", "trillion"]
 _GROUPED = re.compile(r"(?<=\d),(?=\d{3}\b)")  # "1,000,000": one number
+_DECIMAL = re.compile(r"\b(\d+)\.(\d+)\b")  # "2.56": "two point five six", as a voice reads it
 
 
 def _spoken(n: int) -> list[str]:
@@ -64,9 +65,10 @@ def _spoken(n: int) -> list[str]:
 
 def normalise(text: str) -> list[str]:
     """Lower-case words without punctuation or stage directions; numbers spelled out as a voice says
-    them ('10' = 'ten', '1,000,000' = 'one million': a TTS reads digits as words, Whisper writes
-    either)."""
-    text = _GROUPED.sub("", _DIRECTION.sub(" ", text)).lower().replace("-", " ")
+    them ('10' = 'ten', '1,000,000' = 'one million', '2.56' = 'two point five six': a TTS reads
+    digits as words, Whisper writes either)."""
+    text = _GROUPED.sub("", _DIRECTION.sub(" ", text))
+    text = _DECIMAL.sub(lambda m: f"{m[1]} point {' '.join(m[2])}", text).lower().replace("-", " ")
     words = re.sub(r"[^a-z0-9' ]+", " ", text).split()
     return [s for w in words for s in (_spoken(int(w)) if w.isdigit() else [w.strip("'")])]
 

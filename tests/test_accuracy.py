@@ -45,6 +45,11 @@ def test_numbers_are_compared_as_a_voice_says_them():
         == (0, 10)
     assert accuracy.normalise("1,000,000 and 3,5") == ["one", "million", "and", "three", "five"]
     assert accuracy.normalise("10" + "0" * 15) == ["1" + "0" * 16]  # beyond trillions: the digits
+    # a decimal is read digit by digit after its point (a talk test's reply "There are 2.5607374
+    # kilometers in a mile." was heard as "two point five six zero seven three seven four")
+    assert accuracy.word_errors("There are 2.5607374 kilometers.",
+                                "There are two point five six zero seven three seven four kilometers") == (0, 12)
+    assert accuracy.normalise("It is 3.5.") == ["it", "is", "three", "point", "five"]
 
 
 def test_a_turn_that_ends_at_the_hesitation_is_a_false_end():
