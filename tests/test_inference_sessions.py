@@ -75,6 +75,17 @@ def speak(node: PiperTTS, *deltas: TextDelta) -> tuple[threading.Thread, list[Au
     return thread, out
 
 
+def sink_play(tts: PiperTTS, turn: int, *deltas: TextDelta) -> None:
+    """A sink at the listener's pace: each chunk goes to the listener as it comes, played from the
+    reply's first at 1x (the playback clock, as the realtime sink drives it)."""
+    clock = playback_of(tts.ctx)
+    for delta in deltas:
+        for audio in tts.process("text", delta):
+            if len(audio.pcm):
+                clock.started(turn, time.monotonic())
+                clock.sent(turn, len(audio.pcm) / audio.rate)
+
+
 def done(*threads: threading.Thread) -> None:
     for thread in threads:
         thread.join(60)
@@ -111,14 +122,7 @@ def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than
                  " The second sentence follows it closely.", " And the third one ends the reply."]
     deltas = [TextDelta(turn=2, text=s, sentence_end=True) for s in sentences] + [TextDelta(turn=2, text="", end=True)]
 
-    def play() -> None:  # the sink: each chunk goes to the listener as it comes, played from the first at 1x
-        for delta in deltas:
-            for audio in tts.process("text", delta):
-                if len(audio.pcm):
-                    clock.started(2, time.monotonic())
-                    clock.sent(2, len(audio.pcm) / audio.rate)
-
-    player = threading.Thread(target=play, daemon=True)
+    player = threading.Thread(target=sink_play, args=(tts, 2, *deltas), daemon=True)
     player.start()
     done(player)
     assert [text for text, _, _ in order] == [s.strip() for s in sentences]
@@ -136,19 +140,13 @@ def test_a_replys_later_sentence_waits_while_another_sessions_first_words_are_ma
     clock.paced = True
     order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(3)))
 
-    def play(delta: TextDelta) -> None:  # the sink: at 1x from the reply's first chunk
-        for audio in tts.process("text", delta):
-            if len(audio.pcm):
-                clock.started(3, time.monotonic())
-                clock.sent(3, len(audio.pcm) / audio.rate)
-
-    play(TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
+    sink_play(tts, 3, TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
                    sentence_end=True))
     assert tts._made_s > lead + 1.0, "the test needs more audio than the lead before the later sentence"
     yielded = inference.critical.yielded_s
     with inference.critical.holding():  # another session's confirmed first clause is being made
-        later = threading.Thread(target=play, args=(TextDelta(turn=3, text=" And a later one.", sentence_end=True),),
-                                 daemon=True)
+        later = threading.Thread(target=sink_play, daemon=True,
+                                 args=(tts, 3, TextDelta(turn=3, text=" And a later one.", sentence_end=True)))
         later.start()
         done(later)
     (_, made, played), = order[1:]
