@@ -235,6 +235,20 @@ def test_a_reply_cut_by_a_barge_in_keeps_only_what_was_heard_of_each_round():
     assert conv.messages()[3] == {"role": "user", "content": "Stop."}  # nothing after the round was heard
 
 
+def test_a_call_whose_arguments_are_not_json_goes_back_to_the_server_as_an_empty_object():
+    """A call cut by max_tokens ('{"city": "Ro') keeps its error result, and the history stays one
+    llama-server can parse (it answers HTTP 500 to every later request of the conversation otherwise)."""
+    conv = Conversation(None, 4)
+    ex = conv.add_user("Weather in Rome?", 1)
+    cut = ToolCall("c1", "get_weather", '{"city": "Ro', "error: the arguments are not valid JSON")
+    ex.rounds.append(ToolRound("", [cut, ToolCall("c2", "get_weather", '{"city": "Rome"}', "cloudy")]))
+    conv.record_reply(ex, "Cloudy.")
+    (assistant,) = [m for m in conv.messages() if m.get("tool_calls")]
+    calls = assistant["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == ["{}", '{"city": "Rome"}']
+    assert cut.arguments == '{"city": "Ro', "the record keeps what the model wrote"
+
+
 # -- when a round goes wrong ------------------------------------------------------------------
 
 

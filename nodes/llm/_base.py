@@ -148,7 +148,10 @@ class LLMBase(Node, SessionLLM):
                 spoke = spoke or bool(piece)
                 yield piece
         except RemoteError as exc:
-            if spoke or not self.fallback_reply or self.stale(exchange.turn):
+            if spoke:  # a tool's filler was said, then the next round failed: the reply ends there
+                self.ctx.log.error("turn %d: reply cut short, keeping the text so far: %s", exchange.turn, exc)
+                return
+            if not self.fallback_reply or self.stale(exchange.turn):
                 raise
             if not turn_failed(self.ctx, "llm", exchange.turn, exc, fallback=self.fallback_reply):
                 raise

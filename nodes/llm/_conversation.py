@@ -30,8 +30,12 @@ class ToolCall:
     result: str | None = None
 
     def chat(self) -> dict[str, Any]:
-        """The call as Chat Completions writes it in an assistant message."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        """The call as Chat Completions writes it in an assistant message. Arguments that are not
+        JSON (a call cut by ``max_tokens``) go back as ``{}``: the result already tells the model
+        what it wrote, and a server that parses the history (llama-server) would refuse every later
+        request of the conversation with HTTP 500."""
+        arguments = self.arguments if self.arguments.strip() and isinstance(self.parsed_arguments(), dict) else "{}"
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
     def parsed_arguments(self) -> Any:
         """The arguments as JSON values (chat templates want a mapping); the raw text if unparsable."""

@@ -209,15 +209,16 @@ class RemoteLLM(LLMBase):
 
     def respond(self, exchange: Exchange, tool_choice: str) -> Iterator[str | ToolCall]:
         """One request: text as it streams, then the tool calls asked for. Before the first
-        token of a turn a failure raises; after it (or after a tool round), the reply ends
-        where it broke (logged): an answer is never replayed from the start. With ``lead_s``
+        word of a turn a failure raises (a silent tool round before it included: the listener has
+        heard nothing, so a live run says its fallback); after it, the reply ends where it broke
+        (logged): an answer is never replayed from the start. With ``lead_s``
         the request is cut at a sentence end once the reply is that far ahead of its listener,
         and continued (the reply so far as the assistant's message) when the listener catches up."""
         turn = exchange.turn
         if self.stale(turn):
             return
         body = self.request_body(tool_choice)
-        produced = bool(exchange.rounds)
+        produced = any(r.text for r in exchange.rounds)  # words said before a tool round
         self.client.begin()
         self._turn = turn
         hold = ExitStack()

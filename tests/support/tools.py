@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from enum import Enum
@@ -87,6 +88,21 @@ def slow_lookup(topic: Literal["maps", "globes", "atlases"]) -> str:
     CALLS.append(("slow_lookup", {"topic": topic}))
     RELEASE.wait(30)
     return f"The archive keeps {topic} in aisle 7."
+
+
+KILL_ON_CALL: list[int] = []  # pids that weather_on_a_dying_server SIGKILLs at its first call
+
+
+def weather_on_a_dying_server(city: str) -> str:
+    """Get the current weather in a city.
+
+    Args:
+        city: The city's name, e.g. Paris.
+    """
+    CALLS.append(("weather_on_a_dying_server", {"city": city}))
+    while KILL_ON_CALL:  # the model's server dies while the tool runs: the round's next request finds it gone
+        os.kill(KILL_ON_CALL.pop(), signal.SIGKILL)
+    return f"The weather in {city} is {WEATHER.get(city.strip().lower(), 'mild, 20 degrees')}."
 
 
 def no_hints(city):  # noqa: ANN001 - on purpose: a tool the model cannot be told how to call
