@@ -209,11 +209,11 @@ class RemoteLLM(LLMBase):
 
     def respond(self, exchange: Exchange, tool_choice: str) -> Iterator[str | ToolCall]:
         """One request: text as it streams, then the tool calls asked for. Before the first
-        word of a turn a failure raises (a silent tool round before it included: the listener has
-        heard nothing, so a live run says its fallback); after it, the reply ends where it broke
-        (logged): an answer is never replayed from the start. With ``lead_s``
-        the request is cut at a sentence end once the reply is that far ahead of its listener,
-        and continued (the reply so far as the assistant's message) when the listener catches up."""
+        word of a turn a failure raises (after a silent tool round too: the listener has heard
+        nothing, so a live run says its fallback); after it, the reply ends where it broke
+        (logged): an answer is never replayed from the start. With ``lead_s`` the request is cut
+        at a sentence end once the reply is that far ahead of its listener, and continued (the
+        reply so far as the assistant's message) when the listener catches up."""
         turn = exchange.turn
         if self.stale(turn):
             return
