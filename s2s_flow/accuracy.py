@@ -45,6 +45,9 @@ _TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eigh
 _SCALES = ["", "thousand", "million", "billion", "trillion"]
 _GROUPED = re.compile(r"(?<=\d),(?=\d{3}\b)")  # "1,000,000": one number
 _DECIMAL = re.compile(r"\b(\d+)\.(\d+)\b")  # "2.56": "two point five six", as a voice reads it
+#: units as Whisper may write them ("26 km") for what a voice said in full
+_UNITS = {"km": ["kilometers"], "kg": ["kilograms"], "cm": ["centimeters"], "mm": ["millimeters"],
+          "mph": ["miles", "per", "hour"], "kmh": ["kilometers", "per", "hour"]}
 
 
 def _spoken(n: int) -> list[str]:
@@ -66,11 +69,12 @@ def _spoken(n: int) -> list[str]:
 def normalise(text: str) -> list[str]:
     """Lower-case words without punctuation or stage directions; numbers spelled out as a voice says
     them ('10' = 'ten', '1,000,000' = 'one million', '2.56' = 'two point five six': a TTS reads
-    digits as words, Whisper writes either)."""
+    digits as words, Whisper writes either); units in full ('26 km' = '26 kilometers', '5%' = '5 percent')."""
     text = _GROUPED.sub("", _DIRECTION.sub(" ", text))
     text = _DECIMAL.sub(lambda m: f"{m[1]} point {' '.join(m[2])}", text).lower().replace("-", " ")
+    text = re.sub(r"(?<=\d)(?=[a-z])", " ", text.replace("%", " percent").replace("km/h", "kmh"))  # "26km"
     words = re.sub(r"[^a-z0-9' ]+", " ", text).split()
-    return [s for w in words for s in (_spoken(int(w)) if w.isdigit() else [w.strip("'")])]
+    return [s for w in words for s in (_spoken(int(w)) if w.isdigit() else _UNITS.get(w, [w.strip("'")]))]
 
 
 def word_errors(reference: str, hypothesis: str) -> tuple[int, int]:
