@@ -48,6 +48,7 @@ _DECIMAL = re.compile(r"\b(\d+)\.(\d+)\b")  # "2.56": "two point five six", as a
 #: units as Whisper may write them ("26 km") for what a voice said in full
 _UNITS = {"km": ["kilometers"], "kg": ["kilograms"], "cm": ["centimeters"], "mm": ["millimeters"],
           "mph": ["miles", "per", "hour"], "kmh": ["kilometers", "per", "hour"]}
+_UNIT_AFTER_DIGIT = re.compile(rf"(?<=\d)(?=(?:{'|'.join(_UNITS)})\b)")
 
 
 def _spoken(n: int) -> list[str]:
@@ -72,7 +73,7 @@ def normalise(text: str) -> list[str]:
     digits as words, Whisper writes either); units in full ('26 km' = '26 kilometers', '5%' = '5 percent')."""
     text = _GROUPED.sub("", _DIRECTION.sub(" ", text))
     text = _DECIMAL.sub(lambda m: f"{m[1]} point {' '.join(m[2])}", text).lower().replace("-", " ")
-    text = re.sub(r"(?<=\d)(?=[a-z])", " ", text.replace("%", " percent").replace("km/h", "kmh"))  # "26km"
+    text = _UNIT_AFTER_DIGIT.sub(" ", text.replace("%", " percent").replace("km/h", "kmh"))  # "26km": "26 km"
     words = re.sub(r"[^a-z0-9' ]+", " ", text).split()
     return [s for w in words for s in (_spoken(int(w)) if w.isdigit() else _UNITS.get(w, [w.strip("'")]))]
 

@@ -53,6 +53,7 @@ def test_numbers_are_compared_as_a_voice_says_them():
     # units as Whisper writes them (a G.711 read-back of "26.112 kilometers" was "26.11 km")
     assert accuracy.word_errors("A marathon is 26 kilometers.", "A marathon is 26 km.") == (0, 6)
     assert accuracy.normalise("5% at 90km/h") == ["five", "percent", "at", "ninety", "kilometers", "per", "hour"]
+    assert accuracy.normalise("the 1st km") == ["the", "1st", "kilometers"]  # an ordinal stays one word
 
 
 def test_a_turn_that_ends_at_the_hesitation_is_a_false_end():
