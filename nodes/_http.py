@@ -209,6 +209,7 @@ class RemoteClient:
         self._http: Any = None
         self._httpx: Any = None
         self._sock: socket.socket | None = None  # the pool's one connection, for abort()
+        self._connected = False  # the request being sent opened a new connection
         self._cancel = threading.Event()
 
     def __repr__(self) -> str:
@@ -280,6 +281,7 @@ class RemoteClient:
         if event == "connection.connect_tcp.complete":
             stream = info.get("return_value")
             self._sock = stream.get_extra_info("socket") if stream is not None else None
+            self._connected = True
 
     # -- requests ---------------------------------------------------------------------
 
@@ -352,8 +354,10 @@ class RemoteClient:
         headers = {"Accept-Encoding": "identity"} if stream else {}  # chunks as the server sends them
         if accept:
             headers["Accept"] = accept
-        for attempt in range(self.policy.max_retries + 1):
+        attempt, resent = 0, False
+        while True:
             retry = attempt < self.policy.max_retries
+            self._connected = False  # set by _trace when this request opens a new connection
             try:
                 request = self._http.build_request(
                     method, url, headers=headers, extensions={"trace": self._trace}, **content
@@ -362,15 +366,23 @@ class RemoteClient:
             except httpx.TimeoutException as exc:
                 if isinstance(exc, httpx.ConnectTimeout) and retry and not self._cancel.is_set():
                     self._pause(attempt, None)
+                    attempt += 1
                     continue
                 raise self._transport_error(exc, url) from None
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-                # refused, or a kept-alive connection the server was closing (llama-server closes
-                # one shortly after a streamed reply): nothing was served, so ask again
-                if retry and not self._cancel.is_set():
-                    if attempt or isinstance(exc, httpx.ConnectError):
-                        self._pause(attempt, None)
-                    continue  # a stale connection: at once, on a fresh one
+                if self._cancel.is_set():
+                    raise self._transport_error(exc, url) from None
+                if not self._connected and not resent and not isinstance(exc, httpx.ConnectError):
+                    # a kept-alive connection the server closed while it sat in the pool (llama-
+                    # server closes idle ones after 5 s; a restarted server never knew it): the
+                    # request never reached a live server, so it goes once more on a fresh
+                    # connection, at once and not counted as a retry (as urllib3 does)
+                    resent = True
+                    continue
+                if retry:  # refused, or cut before any answer: nothing was served, so ask again
+                    self._pause(attempt, None)
+                    attempt += 1
+                    continue
                 raise self._transport_error(exc, url) from None
             status = resp.status_code
             if 200 <= status < 300 or status in tolerate:
@@ -381,9 +393,9 @@ class RemoteClient:
                 wait = _retry_after(resp.headers.get("retry-after"))
                 if wait is None or wait <= RETRY_AFTER_CAP_S:
                     self._pause(attempt, wait)
+                    attempt += 1
                     continue
             raise self._status_error(resp, url, api, hint_404, attempts=attempt + 1)
-        raise AssertionError("unreachable")
 
     def _pause(self, attempt: int, retry_after: float | None) -> None:
         """Jittered exponential backoff (or the server's Retry-After); abort() cuts it short."""

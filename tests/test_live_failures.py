@@ -138,11 +138,14 @@ def test_a_killed_managed_llama_server_comes_back_and_the_session_lives_through_
     assert row["failures"][0]["stage"] == "llm" and row["failures"][0]["fallback"] == FALLBACK
 
 
+@pytest.mark.parametrize("filler", [None, "One moment."], ids=["silent", "filler"])
 def test_a_server_that_dies_during_a_tool_call_speaks_the_fallback_and_the_next_turn_is_answered(
-        llama_server_binary, smollm2_gguf, tmp_path):
+        llama_server_binary, smollm2_gguf, tmp_path, monkeypatch, filler):
     """With llm.tools the reply takes two requests: the call, then the words with its result. The
-    server is SIGKILLed while the tool runs (by the tool): the second request finds it gone, before
-    any word, so the turn says the fallback; the managed server comes back for the next turn."""
+    server is SIGKILLed while the tool runs (by the tool): the second request finds it gone. Before
+    any word the turn says the fallback; after the tool's filler was said, the reply is the filler
+    (what was heard is kept, as for any reply cut after its first words). The managed server comes
+    back for the next turn."""
     from nodes.io.realtime.server import RealtimeServer
     from s2s_flow.cli import plan
 
@@ -154,7 +157,9 @@ def test_a_server_that_dies_during_a_tool_call_speaks_the_fallback_and_the_next_
         "max_restarts": 3, "health_interval_s": 0.2, "restart_backoff_s": 1.0})
     cfg, choices = _compose(f"http://127.0.0.1:{port}/v1", "llm.max_retries=0", "llm.temperature=0", "llm.seed=1",
                             "llm.max_tokens=60", "llm.tools=[tests.support.tools:weather_on_a_dying_server]",
-                            "llm.tool_choice=required", "llm.max_tool_rounds=1")
+                            "llm.tool_choice=required", "llm.max_tool_rounds=1",
+                            *([f"llm.tool_filler='{filler}'", "llm.tool_filler_after_s=0.1"] if filler else []))
+    monkeypatch.setattr(tools, "DYING_TOOL_S", 0.5 if filler else 0.0)  # the filler comes at 0.1 s
 
     def make_graph():
         graph = plan(cfg, choices)
@@ -181,9 +186,13 @@ def test_a_server_that_dies_during_a_tool_call_speaks_the_fallback_and_the_next_
             server.stop()
             tools.KILL_ON_CALL.clear()
     assert called and len(tools.CALLS) > called, "the tool ran in both turns"
-    assert failed[-1].response.status == "completed" and said(failed) == FALLBACK, "the fallback, after the call"
     errors = [e.error for e in failed if e.type == "error"]
-    assert [e.code for e in errors] == ["llm_failed"] and f"127.0.0.1:{port}" in errors[0].message
+    if filler:
+        assert failed[-1].response.status == "completed" and said(failed).strip() == filler, "the words heard"
+        assert not errors, "a reply cut after its first words is no failed turn"
+    else:
+        assert failed[-1].response.status == "completed" and said(failed) == FALLBACK, "the fallback, after the call"
+        assert [e.code for e in errors] == ["llm_failed"] and f"127.0.0.1:{port}" in errors[0].message
     # the model answered (greedy SmolLM2 may copy the apology it sees in the history: no error says it did)
     assert again[-1].response.status == "completed" and said(again).strip()
     assert not [e for e in again if e.type == "error"], "the next turn's requests were answered"

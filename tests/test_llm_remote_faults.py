@@ -275,3 +275,18 @@ def test_a_connection_closed_without_an_answer_is_retried_at_once(srv, tmp_path,
     assert text_of(turn(node, "hi")) == "Ok."
     assert len(srv.posts) == 2
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]  # no backoff pause was taken
+
+
+def test_a_kept_alive_connection_found_closed_is_resent_even_without_retries(srv, tmp_path):
+    """The pooled connection (made by the warm-up) is dead when the turn's request goes out:
+    that request never reached a live server, so even ``max_retries=0`` sends it once more on a
+    fresh connection; a fresh connection cut before any answer is an error, sent no third time."""
+    srv.script(Reply(hangup=True), Reply.sse(chat_chunks("Ok.")))
+    node = llm_node(ChatCompletionsLLM, srv.base_url, tmp_path, max_retries=0)
+    assert text_of(turn(node, "hi", 1)) == "Ok."
+    first, second = srv.posts
+    assert first.client == srv.requests[0].client != second.client  # the warm-up's, then a new one
+    srv.script(Reply(hangup=True))
+    with pytest.raises(RemoteError):
+        turn(node, "again", 2)
+    assert len(srv.posts) == 4  # the kept-alive connection, then one fresh one: no more

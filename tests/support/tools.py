@@ -91,6 +91,7 @@ def slow_lookup(topic: Literal["maps", "globes", "atlases"]) -> str:
 
 
 KILL_ON_CALL: list[int] = []  # pids that weather_on_a_dying_server SIGKILLs at its first call
+DYING_TOOL_S = 0.0  # how long weather_on_a_dying_server then runs on (long enough for a filler, if set)
 
 
 def weather_on_a_dying_server(city: str) -> str:
@@ -102,6 +103,7 @@ def weather_on_a_dying_server(city: str) -> str:
     CALLS.append(("weather_on_a_dying_server", {"city": city}))
     while KILL_ON_CALL:  # the model's server dies while the tool runs: the round's next request finds it gone
         os.kill(KILL_ON_CALL.pop(), signal.SIGKILL)
+        time.sleep(DYING_TOOL_S)
     return f"The weather in {city} is {WEATHER.get(city.strip().lower(), 'mild, 20 degrees')}."
 
 
