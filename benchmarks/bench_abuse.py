@@ -18,12 +18,13 @@ per-address limits (io.client_limits, exempt=[] here) judge it as a client of it
 - storm:  200 connections in 10 s from one address (up to 32 at once), each opened, its first event
           read, closed (sessions, or client_rate_limited / client_session_limit past io.client_limits,
           or session_limit_reached past io.max_sessions, 24 here)
-- stall:  a client that asks for a long reply every 2 s and never reads: with recipe=local_cpu's
-          llm.max_tokens=96 the reply's events (~190 kB) fit in io.max_queued_bytes (256 KiB here)
-          and the kernel's buffers, so its reply stays active (further asks are answered
-          conversation_already_has_active_response) and it is closed by io.idle_timeout_s once it
-          stops sending; a smaller queue (64 KiB) cut the normal client too. send_queue_full and
-          its 1008 are tested in tests/test_realtime_turns.py (llm.max_tokens=200, 64 KiB)
+- stall:  a client that asks for a long reply every 2 s and never reads: once its socket takes no
+          more (the server bounds what the kernel holds per client to 256 KiB) and over
+          io.max_queued_bytes (256 KiB here) wait, it is closed send_queue_full (1008); a reply
+          that fits stays active (further asks are answered conversation_already_has_active_response)
+          and the client is closed by io.idle_timeout_s once it stops sending. The normal client,
+          which reads, is never judged by a burst of its own reply's audio (tested in
+          tests/test_realtime_turns.py, with send_queue_full's 1008)
 
 After each phase the bench waits for the server's sessions to end and prints RSS and threads, and
 the CPU seconds the phase cost the server (with its llama-server) and the abuser: on a machine

@@ -353,6 +353,40 @@ def test_a_client_that_never_reads_again_does_not_keep_its_socket(llama, tmp_pat
         assert closed.value.rcvd is None or closed.value.rcvd.code == 1008
 
 
+def test_a_reading_client_is_not_closed_for_a_backlog_of_the_servers_own(llama, tmp_path, caplog):  # noqa: F811
+    """The server's loop is held up (here on purpose, 1.5 s; in life a burst of another client's
+    frames) while a reply's events keep coming from the session's threads: they pile up past
+    io.max_queued_bytes before the loop can send them, but this client reads all it is given, so
+    the reply goes on whole and nothing counts as send_queue_full (up to 4x the bound: what a reply
+    of this machine's Piper sends in the stall is ~2.5x)."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, "s2s_flow.realtime")
+    with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=65536") as (url, server):
+        async def talk() -> tuple[list[str], int]:
+            async with websockets.connect(f"{url}/realtime", max_size=None) as ws:
+                assert json.loads(await ws.recv())["type"] == "session.created"
+                for chunk in appends(spoken(STORY)):
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                kinds, audio = [], 0
+                async for text in ws:
+                    event = json.loads(text)
+                    kinds.append(event["error"]["code"] if event["type"] == "error" else event["type"])
+                    if event["type"] == "response.output_audio.delta":
+                        if not audio:  # the reply's first audio: the server's loop stalls now
+                            server._loop.call_soon_threadsafe(time.sleep, 1.5)
+                        audio += len(event["delta"])
+                    if event["type"] == "response.done":
+                        assert event["response"]["status"] == "completed", event["response"]
+                        return kinds, audio
+                raise AssertionError(f"closed before the reply was done: {kinds[-5:]}")
+
+        kinds, audio = run(talk())
+    assert "over io.max_queued_bytes, while the client reads" in caplog.text, "the backlog passed the bound"
+    assert "send_queue_full" not in kinds and _dropped(server) == 0
+
+
 def test_the_voice_is_the_servers_and_openais_names_stand_for_it(served):
     url, server = served
 

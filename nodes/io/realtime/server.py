@@ -14,7 +14,9 @@ the process-wide cache (``Node.shared()``), kept warm here for the server's life
 The transport moves text: frames in to the client-event handlers (client_events.py), the
 session's encoded events out. What waits for a client is bounded: its events in
 ``io.max_queued_bytes`` (a client that stops reading is told, closed with 1008, and its
-connection dropped if it still does not read).
+connection dropped if it still does not read; a backlog of the server's own making, a burst of
+audio or its loop held up while the client reads all it is sent, closes nobody up to a few times
+that: backpressure.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 
 from nodes.io.realtime import protocol as events
 from nodes.io.realtime.admission import Admission
+from nodes.io.realtime.backpressure import abort_unless_sent, bound_send_buffer, not_reading, transport_of
 from nodes.io.realtime.client_events import ClientEvents
 from nodes.io.realtime.clients import ClientLimits, Refusal
 from nodes.io.realtime.drain import Drain, drainable_server
@@ -332,6 +335,7 @@ class _Connection(Receiver):
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue[str | None] = asyncio.Queue()
         self.queued = 0  # bytes in self.out
+        self.backlogged = False  # past io.max_queued_bytes once by the server's own delay (logged once)
         self.overflow = asyncio.Event()  # the client stopped reading: the session ends
         self.ended: tuple[int, str, str] | None = None  # the server closes the session: (close code, error, why)
         self.ending = asyncio.Event()
@@ -358,11 +362,16 @@ class _Connection(Receiver):
         if self.overflow.is_set():
             return
         if self.queued + len(text) > self.server.options.max_queued_bytes:
-            log.warning("session %s: the client does not read its events (%d bytes waiting): closing it",
-                        self.session.id, self.queued)
-            self.session.closed = True
-            self.overflow.set()
-            return
+            if not_reading(transport_of(self._send), self.queued, self.server.options.max_queued_bytes):
+                log.warning("session %s: the client does not read its events (%d bytes waiting): closing it",
+                            self.session.id, self.queued)
+                self.session.closed = True
+                self.overflow.set()
+                return
+            if not self.backlogged:
+                self.backlogged = True
+                log.info("session %s: %d bytes wait for the server's loop, over io.max_queued_bytes, while the "
+                         "client reads all it is sent: kept", self.session.id, self.queued)
         self.queued += len(text)
         self.out.put_nowait(text)
 
@@ -387,6 +396,7 @@ class _Connection(Receiver):
     async def serve(self) -> None:
         session = self.session
         session.nodes.bind(self.server.template())  # what it is told it has, until its own graph is built
+        bound_send_buffer(transport_of(self._send))
         session.send(events.session_created(session.config.to_event(session.id)))
         sender = asyncio.create_task(self._sender())
         if not self.lazy_graph:
@@ -475,23 +485,11 @@ class _Connection(Receiver):
             await self.ws.send_text(events.encode(error))
             await self.ws.close(code=code, reason=reason)
 
-        transport = _transport(self._send)
+        transport = transport_of(self._send)
         if transport is not None:
-            self.loop.call_later(CLOSE_GRACE_S, _abort_unless_sent, transport)
+            self.loop.call_later(CLOSE_GRACE_S, abort_unless_sent, transport)
         else:
             log.warning("session %s: the ASGI server keeps no transport on its send(): a client that does not read "
                         "may hold its socket", self.session.id)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(tell(), CLOSE_GRACE_S)
-
-
-def _transport(send: Any) -> Any:
-    """The connection's transport, through the ASGI server's ``send``: uvicorn's protocols are what
-    ``send`` is bound to and keep it as ``transport`` (the only handle on a client's socket)."""
-    return getattr(getattr(send, "__self__", None), "transport", None)
-
-
-def _abort_unless_sent(transport: Any) -> None:
-    """Data still waits in user space for a client that does not read: drop the connection."""
-    if not transport.is_closing() or transport.get_write_buffer_size():
-        transport.abort()
