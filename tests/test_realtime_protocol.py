@@ -257,6 +257,7 @@ def test_live_transcription_deltas_only_append_and_end_before_completed(proxy, t
     with serving(proxy.url, tmp_path, "io.partials.interval_ms=300") as (url, _):
         events = run(talk(url))
     kinds = [e.type for e in events]
+    assert "conversation.item.input_audio_transcription.completed" in kinds, kinds
     completed_at = kinds.index("conversation.item.input_audio_transcription.completed")
     deltas = [(i, e.delta) for i, e in enumerate(events)
               if e.type == "conversation.item.input_audio_transcription.delta"]
