@@ -135,13 +135,20 @@ def test_binding_beyond_loopback_without_a_key_is_a_compose_time_error(monkeypat
 # -- the openai SDK -------------------------------------------------------------------------
 
 
-async def _collect(conn, *, until_type: str = "response.done", audio: list[bytes] | None = None) -> list[Any]:
-    events = []
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+
+
+async def _collect(conn, *, until_type: str = "response.done", audio: list[bytes] | None = None,
+                   also: tuple[str, ...] = ()) -> list[Any]:
+    """The events up to the first ``until_type``, and on until each of ``also`` came too (a spoken
+    turn's transcript may come before or after its response's events)."""
+    events, seen = [], set()
     async for event in conn:
         if event.type == "response.output_audio.delta" and audio is not None:
             audio.append(base64.b64decode(event.delta))
         events.append(event)
-        if event.type == until_type:
+        seen.add(event.type)
+        if until_type in seen and seen.issuperset(also):
             return events
     raise AssertionError("the connection closed early")
 
@@ -156,7 +163,7 @@ def test_openai_sdk_spoken_question_gets_transcript_and_reply_audio(served):
             for chunk in appends(spoken("How many kilometers are there in a marathon?")):
                 await conn.input_audio_buffer.append(audio=chunk)
             audio: list[bytes] = []
-            return await _collect(conn, audio=audio), b"".join(audio)
+            return await _collect(conn, audio=audio, also=(COMPLETED,)), b"".join(audio)
 
     events, audio = asyncio.run(talk())
     types = [e.type for e in events]
@@ -169,7 +176,7 @@ def test_openai_sdk_spoken_question_gets_transcript_and_reply_audio(served):
     assert types.index("input_audio_buffer.speech_started") < types.index("response.created")
     heard = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
     assert "marathon" in heard.transcript.lower()
-    done = events[-1]
+    done = next(e for e in events if e.type == "response.done")
     assert done.response.status == "completed"
     said = done.response.output[0].content[0].transcript
     assert len(said.split()) >= 2
@@ -458,7 +465,7 @@ def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_mode
             for chunk in appends(spoken(text)):
                 await conn.input_audio_buffer.append(audio=chunk)
             audio: list[bytes] = []
-            return await _collect(conn, audio=audio), b"".join(audio)
+            return await _collect(conn, audio=audio, also=(COMPLETED,)), b"".join(audio)
 
     async def all_at_once():
         return await asyncio.gather(*(one(text) for text in QUESTIONS.values()))
@@ -471,7 +478,8 @@ def test_four_concurrent_sessions_get_their_own_answers_on_one_copy_of_each_mode
                  if e.type == "conversation.item.input_audio_transcription.completed"]
         assert len(heard) == 1 and word in heard[0], (word, heard)
         assert not [w for w in QUESTIONS if w != word and w in heard[0]], "no cross-talk"
-        assert events[-1].response.status == "completed" and len(audio) > RATE
+        done = next(e for e in events if e.type == "response.done")
+        assert done.response.status == "completed" and len(audio) > RATE
     # One copy of each model in the server, however many sessions. The test's own helpers hold
     # models too (the voice that makes test speech on a cold cache, the Whisper that checks TTS
     # output): not the server's, so not counted.

@@ -17,6 +17,7 @@ import pytest
 
 from tests.support.recording_proxy import RecordingProxy, recording_proxy
 from tests.test_realtime import (  # noqa: F401  (the module's llama-server fixtures)
+    COMPLETED,
     WEATHER_TOOL,
     _collect,
     _compose,
@@ -141,7 +142,7 @@ def test_a_voice_turn_reports_its_audio_seconds_and_token_counts_in_one_conversa
     async def talk():
         async with sdk(url) as conn:
             await speak(conn, pcm)
-            voice = await _collect(conn)
+            voice = await _collect(conn, also=(COMPLETED,))
             await conn.conversation.item.create(item=user("Say hello."))
             await conn.response.create(response=TEXT)
             text = (await _collect(conn))[-1]
@@ -155,7 +156,7 @@ def test_a_voice_turn_reports_its_audio_seconds_and_token_counts_in_one_conversa
     completed = next(e for e in voice if e.type == "conversation.item.input_audio_transcription.completed")
     assert completed.usage.type == "duration"
     assert 1.0 < completed.usage.seconds <= len(pcm) / 2 / 24000, "the turn's speech, in seconds"
-    done = voice[-1]
+    done = next(e for e in voice if e.type == "response.done")
     usage = done.response.usage
     assert usage.input_tokens > 0 and usage.output_tokens > 0
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
@@ -252,7 +253,7 @@ def test_live_transcription_deltas_only_append_and_end_before_completed(proxy, t
             for i, chunk in enumerate(appends(pcm, step)):
                 await asyncio.sleep(max(0.0, start + i * 0.02 - loop.time()))
                 await conn.input_audio_buffer.append(audio=chunk)
-            return await _collect(conn)
+            return await _collect(conn, also=(COMPLETED,))
 
     with serving(proxy.url, tmp_path, "io.partials.interval_ms=300") as (url, _):
         events = run(talk(url))

@@ -140,6 +140,24 @@ def test_a_reply_ends_when_both_its_words_and_its_audio_are_in_and_fails_if_its_
     assert [e["response"]["status"] for e in wire.of("response.done")] == ["completed", "failed"]
 
 
+def test_a_confirmed_speculative_reply_may_end_before_its_transcript_which_still_completes_the_item(tmp_path):
+    """A reply held at a speculative pause is released at the turn's confirmation, when the STT's
+    transcript goes out too: it may reach the sink first, and even end. The transcript that follows
+    completes the user's item, and leaves no turn behind as the one being answered."""
+    sink, session, wire = _sink(tmp_path)
+    sink.process("started", SpeechStarted(turn=1, start=0.2))
+    sink.process("speech", _speech(1))
+    sink.process("audio", AudioOut(turn=1, pcm=np.full(2400, 0.1, np.float32), rate=24000, text="Hi there."))
+    sink.process("agent", TextDelta(turn=1, text="Hi there.", end=True))
+    sink.process("audio", AudioOut(turn=1, pcm=np.zeros(0, np.float32), rate=24000, end=True))
+    assert [e["response"]["status"] for e in wire.of("response.done")] == ["completed"]
+    sink.process("user", Transcript(turn=1, text="Hello?"))
+    (completed,) = wire.of("conversation.item.input_audio_transcription.completed")
+    assert completed["transcript"] == "Hello?"
+    assert session.answering is None, "its response is done: no tool call can belong to it now"
+    assert not session.active(), "a response.create may follow"
+
+
 def test_a_cancelled_text_reply_closes_its_text_part_and_one_never_begun_opens_none(tmp_path):
     config = SessionConfig()
     config.update({"output_modalities": ["text"]})

@@ -175,7 +175,9 @@ class Session(NodeHooks):
             if not text or held or self._holds.get(turn):
                 self._replying.discard(turn)  # nothing to answer, or not now
                 self._awaiting.discard(turn)
-            else:
+            elif not (turn in self.responses and self.responses[turn].done):
+                # a reply released at a speculative turn's confirmation may be done already: the
+                # transcript comes after it then (the protocol allows either order)
                 self.answering = turn
 
     def user_text(self, item_id: str, text: str, images: Sequence[str] = ()) -> None:
