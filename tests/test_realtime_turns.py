@@ -385,6 +385,7 @@ def test_a_reading_client_is_not_closed_for_a_backlog_of_the_servers_own(llama, 
         kinds, audio = run(talk())
     assert "over io.max_queued_bytes, while the client reads" in caplog.text, "the backlog passed the bound"
     assert "send_queue_full" not in kinds and _dropped(server) == 0
+    assert audio > 0, "the reply's audio reached the client"
 
 
 def test_the_voice_is_the_servers_and_openais_names_stand_for_it(served):
