@@ -9,11 +9,13 @@ sessions are opened up to the level and left idle (their graphs built and set up
 each new one makes one spoken turn (a prompt of the latency corpus at a microphone's pace, until
 its reply is done), all at once, measured again. Last (``N again``), all are closed and as many new
 ones open and speak in the same groups: memory that does not grow again is the process's (what it
-kept of its busiest moment, reused), not the sessions'. Each measure is of both processes: RSS, and PSS
-(``/proc/PID/smaps_rollup``: pages shared with another process count by share, so the two sum
-to what they cost the machine; but other processes mapping the same model files or libraries move
-it, on a shared machine) and anonymous memory (what the process allocated: heaps, arrays, the KV
-cache; not moved by whoever else maps the same files). ``MB per extra session`` is
+kept of its busiest moment, reused), not the sessions'. Then (``--turnover``, 16 by default) that many
+sessions one after another, each speaking once and hanging up, as a server's callers do all day:
+what they leave behind (nothing, or the server grows with every call it ever served). Each measure
+is of both processes: RSS, and PSS (``/proc/PID/smaps_rollup``: pages shared with another process
+count by share, so the two sum to what they cost the machine; but other processes mapping the same
+model files or libraries move it, on a shared machine) and anonymous memory (what the process
+allocated: heaps, arrays, the KV cache; not moved by whoever else maps the same files). ``MB per extra session`` is
 (level - level 0) / sessions.
 
 llama-server allocates the KV cache of all its slots when it starts, so the slots' share is not
@@ -42,6 +44,10 @@ from typing import Any
 
 KV_VARIANTS = {  # llama-server's KV layouts whose cost per slot is measured: (tokens a slot, arguments)
     "f16, 1536 a slot (the recipe)": (1536, []),
+    "f16, 1536 a slot, -fa off": (1536, ["-fa", "off"]),
+    "q8_0 K, f16 V, 1536 a slot": (1536, ["-ctk", "q8_0"]),
+    "q8_0 K, f16 V, 1536 a slot, -fa off": (1536, ["-ctk", "q8_0", "-fa", "off"]),
+    "q8_0 K and V, 1536 a slot, -fa on": (1536, ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
     "f16, 2048 a slot": (2048, []),
     "f16, 2048 a slot, -fa on": (2048, ["-fa", "on"]),
     "q8_0 K and V, 2048 a slot, -fa on": (2048, ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
@@ -105,7 +111,7 @@ async def open_session(url: str) -> Any:
 
 
 async def sessions_run(url: str, levels: list[int], prompts: list[Any], settle_s: float,
-                       pids: tuple[int, int]) -> dict[str, Any]:
+                       pids: tuple[int, int], turnover: int = 0) -> dict[str, Any]:
     from benchmarks.bench_realtime import one_prompt
 
     async def turn(ws: Any, k: int) -> bool:
@@ -144,6 +150,15 @@ async def sessions_run(url: str, levels: list[int], prompts: list[Any], settle_s
     print(f"{len(open_)} new session(s) after closing: {json.dumps(out[f'{len(open_)} again'])}", file=sys.stderr)
     for ws in open_:
         await ws.close()
+    if turnover:  # a server's life: callers come, speak and hang up; nothing of theirs may stay behind
+        await asyncio.sleep(settle_s)
+        before = measure(*pids)
+        for k in range(turnover):
+            async with await open_session(url) as ws:
+                answered += await turn(ws, k)
+        await asyncio.sleep(settle_s)
+        out["turnover"] = {"sessions": turnover, "before": before, "after": measure(*pids), "answered": answered}
+        print(f"{turnover} sessions one after another: {json.dumps(out['turnover'])}", file=sys.stderr)
     return out
 
 
@@ -153,7 +168,7 @@ def per_session(levels: dict[str, Any]) -> dict[str, Any]:
     if base is None:
         return rows
     for n, row in levels.items():
-        if n == "0":
+        if n in ("0", "turnover"):
             continue
         rows[n] = {state: {proc: {k: round((row[state][proc][k] - base["idle"][proc][k]) / int(n.split()[0]), 1)
                                   for k in KEYS} for proc in ("server", "llama", "total")}
@@ -231,6 +246,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--memory", type=int, nargs="+", required=True, help="session counts, e.g. 0 1 2 4 8")
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--skip-slots", action="store_true", help="skip llama-server's per-slot measure")
+    ap.add_argument("--turnover", type=int, default=16,
+                    help="then this many sessions one after another (speak, hang up): what stays behind")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-memory-")))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -261,7 +278,7 @@ def main(argv: list[str]) -> None:
         if llama is None:
             raise RuntimeError("s2s-run started no llama-server (one already answering was used?)")
         levels_out = asyncio.run(sessions_run(f"ws://127.0.0.1:{port}/v1/realtime", levels, prompts,
-                                              args.settle_s, (proc.pid, llama)))
+                                              args.settle_s, (proc.pid, llama), args.turnover))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -297,6 +314,8 @@ def table(report: dict[str, Any]) -> str:
              "sessions | state      | server RSS/PSS/anon MB | llama RSS/PSS/anon MB | per extra session, "
              "anon (PSS) MB: server, llama, total"]
     for n, row in report["levels"].items():
+        if n == "turnover":
+            continue
         for state in ("idle", "after_turn"):
             m = row[state]
             per = report["mb_per_extra_session"].get(n, {}).get(state)
@@ -304,6 +323,11 @@ def table(report: dict[str, Any]) -> str:
             tail = ", ".join(f"{per[p]['anonymous']} ({per[p]['pss']})" for p in procs) if per else "-"
             mem = " | ".join("/".join(f"{m[p][k]:.0f}" for k in KEYS) for p in ("server", "llama"))
             lines.append(f"{n:>8} | {state:<10} | {mem} | {tail}")
+    if "turnover" in report["levels"]:
+        t = report["levels"]["turnover"]
+        grew = {p: round(t["after"][p]["anonymous"] - t["before"][p]["anonymous"], 1) for p in ("server", "llama")}
+        lines.append(f"{t['sessions']} more sessions one after another (each speaks, hangs up): anonymous memory "
+                     f"{grew['server']:+} MB server, {grew['llama']:+} MB llama-server")
     for name, row in (report.get("llama_server_per_slot") or {}).items():
         lines.append(f"llama-server {name}: per slot {row['per_slot_mb']['anonymous']} MB anonymous, "
                      f"{row['per_slot_mb']['rss']} MB RSS; 4 requests at once: {row.get('speed')}")

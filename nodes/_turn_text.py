@@ -110,6 +110,7 @@ class ServerScorer:
 
     def __init__(self, client: Any) -> None:
         self.client = client  # a nodes._http.RemoteClient on the server's root URL
+        self.slot: int | None = None  # the server slot the scores go to (nodes/llm/_slots.py); None: any
 
     def probability(self, messages: list[dict[str, Any]]) -> float | None:
         """None: the template has no end-of-turn token to cut off after the user's words."""
@@ -126,9 +127,11 @@ class ServerScorer:
         cut = cut_end_token(prompt, text)
         if cut is None:
             return None
-        answer = self.client.post_json("/completion", {
-            "prompt": cut[0], "n_predict": 1, "n_probs": self.TOP, "temperature": 0.0, "cache_prompt": True,
-            "post_sampling_probs": False}, api=api)
+        body = {"prompt": cut[0], "n_predict": 1, "n_probs": self.TOP, "temperature": 0.0, "cache_prompt": True,
+                "post_sampling_probs": False}
+        if self.slot is not None:
+            body["id_slot"] = self.slot
+        answer = self.client.post_json("/completion", body, api=api)
         return top_probabilities(answer), cut[1]
 
 

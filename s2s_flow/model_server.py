@@ -35,9 +35,9 @@ from s2s_flow import redact
 from s2s_flow.errors import S2SError, Stopped
 from s2s_flow.model_server_spec import ServerSpec
 from s2s_flow.server_causes import explain, last_start
-from s2s_flow.server_watch import Watch, restarts
+from s2s_flow.server_watch import Watch, restarts, running, slots_of
 
-__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "restarts"]
+__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "restarts", "slots_of"]
 
 log = logging.getLogger("s2s_flow.model_server")
 
@@ -412,6 +412,7 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
                 _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
                 if spec.max_restarts:
                     watch = _watch(spec, run_dir, argv, proc, handle)
+                running(spec.host, spec.port, spec.slots)
             _write_info(run_dir, handle)
             signals.mode = "raise"
             if signals.caught:  # a signal between the last check and here
@@ -419,6 +420,8 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
             yield handle
         finally:
             signals.mode = "hold"
+            if proc is not None:
+                running(spec.host, spec.port, None)
             if watch is not None:
                 proc = watch.stop()  # the last process it started
             if proc is not None:

@@ -10,6 +10,8 @@ starts and stops the server it describes)::
       health_interval_s: 2     # how often ready_url is asked while the run goes on
       health_failures: 3       # unanswered probes in a row that count as a server gone
       restart_backoff_s: 1     # the wait before the first try, doubled for each next (at most 30 s)
+      slots: 9                 # its parallel slots (llama-server -np), when started here: each session
+                               # of this process is given one of its own (s2s_flow.model_server.slots_of)
 
 Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
 ``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``.
@@ -32,7 +34,7 @@ from s2s_flow.errors import ConfigError, answer_within
 __all__ = ["ServerSpec"]
 
 _KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env", "max_restarts",
-         "health_interval_s", "health_failures", "restart_backoff_s"}
+         "health_interval_s", "health_failures", "restart_backoff_s", "slots"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class ServerSpec:
     health_interval_s: float = 2.0
     health_failures: int = 3
     restart_backoff_s: float = 1.0
+    slots: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> ServerSpec:
@@ -82,6 +85,10 @@ class ServerSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"server.{key}={value!r} must be a whole number >= {least}"
                                   + (" (0: never restart)" if key == "max_restarts" else ""))
+        slots = data.get("slots")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise ConfigError(f"server.slots={slots!r} must be the server's number of parallel slots (llama-server "
+                              "-np), at least 1, or null (the server places each request itself)")
         env = data.get("env") or {}
         if not isinstance(env, dict):
             raise ConfigError(f"server.env={env!r} must be a mapping of environment variables")
@@ -98,6 +105,7 @@ class ServerSpec:
             health_interval_s=float(data.get("health_interval_s", cls.health_interval_s)),
             health_failures=int(data.get("health_failures", cls.health_failures)),
             restart_backoff_s=float(data.get("restart_backoff_s", cls.restart_backoff_s)),
+            slots=slots,
         )
 
     @property

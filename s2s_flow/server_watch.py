@@ -8,7 +8,9 @@ LLM finds no server says ``llm.fallback_reply`` (live runs), the next turn after
 back is answered. After the last try fails the watch gives up (logged) and turns keep failing.
 
 s2s_flow/model_server.py starts the watch for a server it started itself (one that was already
-running is not its to restart) and hands it how to probe, start and stop the server.
+running is not its to restart) and hands it how to probe, start and stop the server. It also notes
+here the slots of each server it runs (:func:`slots_of`): no other process sends that server
+requests, so each session may keep a slot of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from s2s_flow.errors import S2SError, Stopped
 
-__all__ = ["Watch", "restarts", "BACKOFF_CAP_S"]
+__all__ = ["Watch", "restarts", "running", "slots_of", "BACKOFF_CAP_S"]
 
 log = logging.getLogger("s2s_flow.model_server")
 
@@ -34,6 +36,25 @@ def restarts() -> dict[str, int]:
     """Restart tries of this process's managed servers so far, by server (``llama-server:8080``)."""
     with _LOCK:
         return dict(_RESTARTS)
+
+
+_SLOTS: dict[tuple[str, int], int] = {}  # (host, port) -> server.slots, of the servers this process runs
+
+
+def running(host: str, port: int, slots: int | None) -> None:
+    """The server started here on ``host:port`` runs with ``slots`` (None: it stopped, or names none)."""
+    with _LOCK:
+        if slots:
+            _SLOTS[(host, port)] = slots
+        else:
+            _SLOTS.pop((host, port), None)
+
+
+def slots_of(host: str, port: int) -> int | None:
+    """``server.slots`` of the server on ``host:port`` while this process runs it; None for any other
+    (a server used as is may serve other processes too: its slots are not this process' to hand out)."""
+    with _LOCK:
+        return _SLOTS.get((host, port))
 
 
 def _count(name: str) -> None:

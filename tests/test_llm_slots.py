@@ -11,9 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from nodes.llm.chat import ChatCompletionsLLM
 from s2s_flow.compose import compose
 from s2s_flow.model_server import managed_server
 from s2s_flow.model_server_spec import ServerSpec
+from tests.support.remote_llm import llm_node, turn
 from tests.support.servers import free_port, running_llama_server
 
 REPLY_TOKENS = 256  # long enough that the second request is sent while the first still streams
@@ -63,6 +65,90 @@ def test_the_realtime_recipe_starts_llama_server_with_a_slot_per_session(llama_s
         events = two_sessions(f"http://127.0.0.1:{port}/v1")
     # both in flight at once: B streamed before A's reply was done
     assert events.index("B first") < events.index("A done"), events
+
+
+GREEDY = {"temperature": 0.0, "seed": 1, "max_tokens": 24,
+          "system_prompt": "You are a helpful voice assistant. Answer briefly in plain spoken sentences."}
+
+
+def _prompt_tokens_read(root: str) -> int:
+    """The prompt tokens llama-server has evaluated so far (its /metrics; cached ones are not counted)."""
+    text = httpx.get(f"{root}/metrics", timeout=5, trust_env=False).text
+    return int(float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("llamacpp:prompt_tokens_total"))))
+
+
+def test_each_session_keeps_a_slot_of_its_own_on_the_server_this_process_started(llama_server_binary,
+                                                                                 smollm2_gguf, tmp_path: Path):
+    """Without a slot of its own, B's first request (it shares only the system prompt with A's
+    conversation) went to A's idle slot, the most alike, and A's next turn read its whole history
+    again: the recipe's llama-server keeps no copy of it (--cache-ram 0)."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cfg, _ = compose(["recipe=local_cpu", "io=realtime", "io.max_sessions=2", f"llm.base_url={root}/v1",
+                      "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1"])
+    with managed_server(cfg.server, tmp_path):
+        a = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", **GREEDY)
+        b = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "b", **GREEDY)
+        assert (a.slot.id, b.slot.id) == (0, 1)  # the third slot is the end-of-turn scorer's
+        turn(a, "What is the capital of Italy? Tell me about it.", 1)
+        turn(b, "Name a fruit.", 1)
+        before = _prompt_tokens_read(root)
+        turn(a, "And of France?", 2)  # 60-70 tokens of prompt, the first turn's ~50 among them
+        read = _prompt_tokens_read(root) - before
+        assert 0 < read < 25, f"A's second turn read {read} prompt tokens: its history again"
+        a.close()
+        c = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "c", **GREEDY)
+        assert c.slot.id == 0  # A's slot, given back when its session ended
+        c.close()
+        b.close()
+
+
+def test_a_server_this_process_did_not_start_places_requests_itself(llama_server_binary, smollm2_gguf, tmp_path):
+    """Other processes may send it requests (two s2s-run behind a load balancer share one llama-server):
+    a slot taken here could be another process' conversation, so no request names one."""
+    with running_llama_server(smollm2_gguf, binary=llama_server_binary, extra_args=("-np", "3")) as root:
+        node = llm_node(ChatCompletionsLLM, root + "/v1", tmp_path, **GREEDY)
+        assert node.slot.id is None and "id_slot" not in node.request_body()
+        node.close()
+
+
+def _anonymous_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no Anonymous line in /proc/{pid}/smaps_rollup")
+
+
+def _conversation(base_url: str, k: int) -> None:
+    """One conversation of its own (a caller who hangs up after two questions)."""
+    messages = [{"role": "system", "content": f"You are caller {k}'s voice assistant. " + "Answer briefly. " * 20}]
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        for question in (f"My number is {k * 7919}. What is it times two?", "And what is half of it?"):
+            messages.append({"role": "user", "content": question})
+            answer = client.post(f"{base_url}/chat/completions", json={
+                "messages": messages, "max_tokens": 24, "temperature": 0}).json()
+            messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+
+
+def test_the_recipes_llama_server_keeps_nothing_of_conversations_that_ended(llama_server_binary, smollm2_gguf,
+                                                                           tmp_path: Path):
+    """llama-server's host prompt cache (--cache-ram, 8 GiB by default) keeps every finished
+    conversation's KV state: ~5 MB each here, so a server's memory grew with every call it had ever
+    served. The recipe turns it off (each live session has a slot of its own)."""
+    port = free_port()
+    cfg, _ = compose(["recipe=local_cpu", "io=realtime", "io.max_sessions=2", f"llm.base_url=http://127.0.0.1:{port}/v1"])
+    with managed_server(cfg.server, tmp_path) as handle:
+        assert handle is not None and handle.started and handle.pid
+        base_url = f"http://127.0.0.1:{port}/v1"
+        for k in range(3):  # the slots and the server's buffers warmed
+            _conversation(base_url, k)
+        before = _anonymous_mb(handle.pid)
+        for k in range(3, 15):
+            _conversation(base_url, k)
+        grown = _anonymous_mb(handle.pid) - before
+    # with the cache on: +55-65 MB for these 12 conversations; off: under 1 MB
+    assert grown < 12, f"llama-server grew {grown:.1f} MB over 12 conversations that ended"
 
 
 def test_with_one_slot_the_second_request_waits_for_the_whole_first_reply(llama_server_binary, smollm2_gguf):

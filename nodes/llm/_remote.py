@@ -19,6 +19,7 @@ from nodes._http import DEFAULT_BASE_URL, Aborted, HttpPolicy, RemoteClient, Rem
 from nodes._playback import playback_of
 from nodes.llm._base import LLMBase, check_range
 from nodes.llm._conversation import Exchange, SentenceSplitter, ToolCall
+from nodes.llm._slots import SessionSlot
 from nodes.llm._tools import forces_call
 from s2s_flow import inference
 from s2s_flow.errors import ConfigError
@@ -110,6 +111,8 @@ class RemoteLLM(LLMBase):
         #: request is cut at a sentence end and continued when the listener catches up; None: at once
         self.lead_s = lead_s
         self._pace: _Pacer | None = None  # the last reply's pacing: its margin carries on to the next
+        #: the server's slot this session keeps its conversation in, when this process runs the server
+        self.slot = SessionSlot(self.client.base_url)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.client.base_url!r}, model={self.model!r})"
@@ -164,6 +167,8 @@ class RemoteLLM(LLMBase):
         kwargs = self.template_kwargs()
         if kwargs:
             body["chat_template_kwargs"] = kwargs
+        if self.slot.id is not None:
+            body["id_slot"] = self.slot.id
         return body
 
     def prefill(self, tool_choice: str) -> str | None:
@@ -184,6 +189,8 @@ class RemoteLLM(LLMBase):
 
     def setup(self) -> None:
         self.client.log = self.ctx.log
+        if self.slot.take() is not None:
+            self.ctx.log.debug("the conversation keeps slot %d of the server at %s", self.slot.id, self.client.base_url)
         self.ctx.progress(f"connecting to {self.client.base_url}")
         try:
             models = self.client.open()
@@ -206,6 +213,7 @@ class RemoteLLM(LLMBase):
     def close(self) -> None:
         super().close()
         self.client.close()
+        self.slot.give_back()
 
     def respond(self, exchange: Exchange, tool_choice: str) -> Iterator[str | ToolCall]:
         """One request: text as it streams, then the tool calls asked for. Before the first

@@ -15,6 +15,7 @@ from nodes._http import DEFAULT_BASE_URL, HttpPolicy, RemoteClient, RemoteError
 from nodes._turn_text import ServerScorer, scoring_messages, turn_text_of
 from nodes.llm._conversation import Exchange, ToolCall
 from nodes.llm._remote import RemoteLLM
+from nodes.llm._slots import scorer_slot
 from nodes.llm._tools import named_tool
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
@@ -84,6 +85,7 @@ class ChatCompletionsLLM(RemoteLLM):
         super().setup()
         turn_text_of(self.ctx).scorer = "llm=chat"  # until the server shows it has no such endpoints
         self._scorer.client.log = self.ctx.log
+        self._scorer.slot = scorer_slot(self.client.base_url)
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
         if isinstance(msg, Transcript) and msg.speculative and msg.final:
