@@ -329,6 +329,7 @@ def test_processes_with_finds_a_live_process():  # the orphan checks above rely 
 @pytest.mark.parametrize("override, answer", [
     ("+server.comand=x", "server.comand (did you mean server.command?) is not a server option"),
     ("server.start_timeout_s=-1", "server.start_timeout_s=-1 must be a number of seconds > 0"),
+    ("server.slots=0", "server.slots=0 must be the server's number of parallel slots (llama-server -np)"),
 ])
 def test_a_dry_run_checks_the_server_block_without_starting_anything(override, answer, tmp_path):
     out = subprocess.run([sys.executable, "-m", "s2s_flow.cli", "recipe=local_cpu", override, "dry_run=true"],

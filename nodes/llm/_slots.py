@@ -3,11 +3,13 @@
 llama-server keeps each slot's last prompt in its KV cache and sends a request that names no slot
 to the idle one whose cached prompt shares most with it. Sessions share their system prompt, so a
 new session's first request often lands on an idle slot that holds another live conversation, which
-must then read its whole history again (on 2 cores a second or more), or get it back from
-llama-server's RAM prompt cache, which keeps every conversation it has served (~5 MB each here,
-up to 8 GiB). When this process started the server (``server.slots``; s2s_flow.model_server.slots_of)
-no other process sends it requests, so each session takes a slot of its own for its life and names it
-in every request; the recipes turn the RAM cache off (``--cache-ram 0``).
+must then read its whole history again, or get it back from llama-server's RAM prompt cache, which
+keeps every conversation it has served (~5 MB each with SmolLM2, up to 8 GiB). With that cache off
+and no slot of their own, 8 conversations at once cost llama-server 1.54 s of CPU a turn instead of
+0.92 (benchmarks/bench_realtime.py --conversations). When this process started the server
+(``server.slots``; s2s_flow.model_server.slots_of) no other process sends it requests, so each session
+takes a slot of its own for its life and names it in every request; the recipes turn the RAM cache
+off (``--cache-ram 0``).
 
 Sessions take the lowest free slot; the highest is left for the end-of-turn scorer's short requests
 (``vad.turn=text|hybrid``): the recipes start llama-server with one slot more than the sessions they
