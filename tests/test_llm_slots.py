@@ -104,6 +104,28 @@ def test_each_session_keeps_a_slot_of_its_own_on_the_server_this_process_started
         b.close()
 
 
+def test_a_conversation_longer_than_its_history_reads_only_its_new_words(llama_server_binary, smollm2_gguf,
+                                                                       tmp_path: Path):
+    """Past llm.max_history_turns the oldest turn leaves the prompt: the prompt then differs from the
+    slot's cache right after the system prompt, and llama-server read the whole history again every
+    turn (seconds on one core) until the recipe's --cache-reuse let it shift the kept turns instead."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1"])
+    with managed_server(cfg.server, tmp_path):
+        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=3, **GREEDY)
+        questions = ["What is the capital of France?", "How many people live there?", "What is it famous for?",
+                     "What food should I try there?", "Is it expensive?", "Where should I stay?"]
+        read = []
+        for n, question in enumerate(questions, 1):
+            before = _prompt_tokens_read(root)
+            turn(node, question, n)
+            read.append(_prompt_tokens_read(root) - before)
+        node.close()
+    # turns 4-6 each drop the oldest exchange (~40-60 tokens stay behind it); their own new words are ~15
+    assert max(read[3:]) < 30, f"prompt tokens read per turn: {read}"
+
+
 def test_a_server_this_process_did_not_start_places_requests_itself(llama_server_binary, smollm2_gguf, tmp_path):
     """Other processes may send it requests (two s2s-run behind a load balancer share one llama-server):
     a slot taken here could be another process' conversation, so no request names one."""
