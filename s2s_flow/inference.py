@@ -101,10 +101,14 @@ class Session:
 
 
 class CriticalPath:
-    """Confirmed ``first`` work in flight on this machine, of any model and any session: a listener
-    waits for each. Held by a scheduler's ``first`` slots (queued or running) and by an LLM's first
-    sentence on its server; work with slack (a reply's later sentences, written and spoken ahead of
-    the listener) yields to it while it has slack, so the cores go to the first words::
+    """Work on a turn's way to its first audio in flight on this machine, of any model and any
+    session: a listener waits for each. Held by a scheduler's ``first`` calls (queued or running)
+    and by an LLM's first sentence on its server, of a confirmed turn and of a speculative one alike
+    (a reply begun at a pause: on a slow CPU its STT, LLM and first clause take longer than the
+    confirmation, so they are the critical path); work with slack (a reply's later sentences,
+    written and spoken ahead of the listener) yields to it while it has slack, so the cores go to
+    the first words. The queues' order is unchanged: a speculative call still waits behind
+    confirmed ones for a slot, this is only what work with slack waits for before it starts::
 
         critical.yield_to(lambda: ahead_of_listener() > 0.5, cancelled)   # later work, before it starts
     """
@@ -177,8 +181,10 @@ class Scheduler:
         """Hold one of the model's slots for the block (yields the kind it ran as); raises
         :class:`Shed` for speculative or partial work that waited too long, :class:`Cancelled` when
         ``cancelled()`` turned true while it waited."""
-        first = (session.kind(kind, turn) if session is not None else kind) == "first"
-        with critical.holding() if first else nullcontext():  # queued or running: a listener waits
+        # a turn's way to its first audio, queued or running, confirmed or not (``speculative`` as
+        # asked: an utterance sent early, promoted to ``first`` at the confirmation): a listener
+        # waits for it (CriticalPath)
+        with critical.holding() if kind in ("first", "speculative") else nullcontext():
             kind = self.acquire(kind, deadline=deadline, session=session, turn=turn, cancelled=cancelled)
             try:
                 yield kind

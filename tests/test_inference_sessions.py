@@ -156,6 +156,41 @@ def test_a_replys_later_sentence_waits_while_another_sessions_first_words_are_ma
     assert inference.critical.yielded_s - yielded >= lead / 3, "counted as time yielded"
 
 
+def test_a_replys_later_sentence_also_waits_while_another_sessions_speculative_reply_is_begun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply begun at a pause (vad.speculate_ms) is the critical path on a slow CPU: its STT, LLM
+    and first clause take longer than the confirmation. Work with slack yields to it as to a
+    confirmed turn's (here: the other session's speculative decode on another shared model)."""
+    lead = 1.5
+    tts = session_tts(tmp_path, "later-spec", lead_s=lead)
+    clock = playback_of(tts.ctx)
+    clock.paced = True
+    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(3)))
+    sink_play(tts, 3, TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
+                   sentence_end=True))
+    assert tts._made_s > lead + 1.0, "the test needs more audio than the lead before the later sentence"
+
+    other = Context("stt-other", tmp_path).work  # another session: its turns were sent at an early pause
+    decoder = inference.scheduler("stt-of-another-session", 1)
+    # its first work asked as the STT asks for an utterance sent early, and as the TTS asks for a
+    # first clause (of a turn the session marked speculative)
+    for turn, ask in ((5, "speculative"), (6, "first")):
+        other.speculate(turn)
+        with decoder.slot(ask, session=other, turn=turn) as ran_as:  # its speculative work runs
+            assert ran_as == "speculative"
+            later = threading.Thread(target=sink_play, daemon=True,
+                                     args=(tts, 3, TextDelta(turn=3, text=f" Later, for turn {turn}.",
+                                                             sentence_end=True)))
+            later.start()
+            done(later)
+        _, made, played = order[-1]
+        assert made - played <= lead / 3 + 1e-6, (ask, made, played)  # not at the lead: it waited for the slack's end
+        assert not inference.critical.busy()
+        sink_play(tts, 3, TextDelta(turn=3, text=" A long sentence again, long enough to give the next one slack.",
+                                    sentence_end=True))
+
+
 def test_speculative_synthesis_yields_to_confirmed_work_and_is_shed_under_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -40,12 +40,19 @@ def api(smollm2_server: str) -> str:  # noqa: F811
     return smollm2_server + "/v1"
 
 
-def nodes(api: str, tmp_path: Path, lead_s: float | None, events: list[str]) -> tuple[ChatCompletionsLLM, PiperTTS]:
+def nodes(api: str, tmp_path: Path, lead_s: float | None, events: list[str],
+          cuts: list[int] | None = None) -> tuple[ChatCompletionsLLM, PiperTTS]:
     """An LLM and a TTS of one session (one run_state: one playback clock), as the engine builds
-    them; the LLM's trace events go to ``events``."""
+    them; the LLM's trace events go to ``events``, the length of the reply at each cut to ``cuts``."""
     state: dict[str, Any] = {}
+
+    def record(kind: str, **fields: Any) -> None:
+        events.append(kind)
+        if kind == "llm_paused" and cuts is not None:
+            cuts.append(fields["chars"])
+
     llm = ChatCompletionsLLM(base_url=api, lead_s=lead_s, **GREEDY)
-    llm.ctx = Context("llm", tmp_path, run_state=state, live=True, record=lambda kind, **f: events.append(kind))
+    llm.ctx = Context("llm", tmp_path, run_state=state, live=True, record=record)
     tts = PiperTTS(threads=0, noise_scale=0.0, noise_w_scale=0.0, lead_s=0.3)
     tts.ctx = Context("tts", tmp_path, run_state=state, live=True)
     llm.setup()
@@ -150,3 +157,39 @@ def test_lead_s_is_checked_and_a_backend_that_cannot_continue_says_it_writes_at_
     assert "llm.lead_s=4 is not used" in caplog.text
     with pytest.raises(ConfigError, match="llm.lead_s"):
         ChatCompletionsLLM(base_url=api, lead_s=0)
+
+
+def test_a_turns_first_sentence_holds_the_critical_path_speculative_or_confirmed(api: str, tmp_path: Path) -> None:
+    """Another session's work with slack waits for it (s2s_flow/inference.py: CriticalPath): a
+    reply begun at a pause is as much a listener's wait as a confirmed one."""
+    from s2s_flow import inference
+
+    for speculative in (False, True):
+        llm, _ = nodes(api, tmp_path, None, [])
+        if speculative:
+            llm.ctx.work.speculate(1)  # the VAD sent the turn at an early pause
+        busy = [(delta.text, inference.critical.busy()) for delta in
+                llm.process("text", Transcript(turn=1, text=QUESTION))]
+        llm.close()
+        assert busy[0][1], f"speculative={speculative}: its first words were made off the critical path"
+        assert not busy[-1][1] and not inference.critical.busy(), "held past the first sentence"
+
+
+def test_while_another_sessions_first_words_are_made_a_reply_stops_at_half_its_lead(api: str, tmp_path: Path) -> None:
+    """The server's cores go to the first words; the reply waits while it has slack and goes on."""
+    from s2s_flow import inference
+
+    lead = 8.0  # far: alone, the reply is cut only once it is more than 8 s ahead of its listener
+    events: list[str] = []
+    cuts: list[int] = []
+    llm, tts = nodes(api, tmp_path, lead, events, cuts)
+    with inference.critical.holding():  # other sessions' first words, one after another, all along
+        call = Call(llm, tts)
+        reply = call.join()
+    llm.close()
+    ahead = dict((len(said), ahead) for said, ahead in call.ahead)
+    at_cuts = [round(ahead[chars], 2) for chars in cuts]
+    assert len(reply) * 0.075 > 2 * lead, "the reply must last far past the lead for it to mean something"
+    assert at_cuts and min(at_cuts) < lead, f"cut only at the whole lead: {at_cuts} s ahead"
+    assert all(a > lead / 2 for a in at_cuts), at_cuts  # never while it had no slack
+    assert llm.conversation.exchanges[-1].reply == reply  # one reply, written on after each cut

@@ -239,8 +239,9 @@ class RemoteLLM(LLMBase):
                 )
                 return
             pace, first = self._pacer(turn, body), body
-            # a confirmed turn's first sentence is the machine's critical path (s2s_flow/inference.py)
-            opening = SentenceSplitter() if not produced and self.ctx.work.kind("first", turn) == "first" else None
+            # a turn's first sentence, confirmed or speculative, is the machine's critical path
+            # (s2s_flow/inference.py: CriticalPath)
+            opening = SentenceSplitter() if not produced else None
             if opening is not None:
                 hold.enter_context(inference.critical.holding())
             while True:
@@ -294,7 +295,8 @@ class RemoteLLM(LLMBase):
 class _Pacer:
     """The reply of one request as it streams, cut at a sentence end once it is ``lead_s`` ahead of
     its listener (nodes/_playback.py: what was made of it and not heard, and its text not yet
-    spoken); it resumes when the listener is that close again.
+    spoken), or half of that while another session's first words are being made (the server's
+    cores go to them); it resumes when the listener is that close again.
 
     The lead grows with what a continuation takes on this machine now: twice the slowest wait for
     a continuation's first new words (a loaded server answers later), fading by a fifth per
@@ -332,8 +334,12 @@ class _Pacer:
         self.pieces += 1
         if self.max_tokens is not None and self.pieces >= self.max_tokens:
             return False  # its last token: the server ends it
-        ended = any(end for _, end in self._splitter.feed(text))
-        return ended and self.playback.ahead_s(self.turn, len(self.said)) > self.lead_s + self.margin_s
+        if not any(end for _, end in self._splitter.feed(text)):
+            return False
+        ahead = self.playback.ahead_s(self.turn, len(self.said))
+        # another session's first words are being made: stop here too while this reply has slack
+        # (half the lead); the request goes on once they are out or the slack is used up (resume)
+        return ahead > self.lead_s + self.margin_s or (inference.critical.busy() and ahead > self.lead_s / 2)
 
     def resume(self, cancelled: Any) -> bool:
         """Wait for the listener; False when the turn is over meanwhile (a barge-in, the end)."""
