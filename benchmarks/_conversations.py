@@ -14,7 +14,9 @@ Per N: voice-to-voice p50/p95, errors (refused connections, error events, replie
 came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
 has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) and its children
 (llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn. Then the
-largest N whose p95 < 1 s.
+largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms``
+per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 100-200 ms from run to run,
+so compare trees over several runs pooled (alternating which tree goes first).
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
@@ -331,6 +333,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
             print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
+            rows[n]["v2v_ms"] = [round(v, 1) for v in got["v2v"]]  # each turn's, to pool runs by
     finally:
         server.stop()
     return rows
