@@ -131,18 +131,25 @@ def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than
         assert made - played <= lead + 1e-6, (text, made, played)
 
 
+def reply_past_its_lead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                        lead: float) -> tuple[PiperTTS, list[tuple[str, float, float]]]:
+    """A session's TTS at a paced sink, its turn 3's first sentence made and playing, more than the
+    lead ahead of the listener; what it synthesizes next is noted (text, made s, played s)."""
+    tts = session_tts(tmp_path, name, lead_s=lead)
+    clock = playback_of(tts.ctx)
+    clock.paced = True
+    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(3)))
+    sink_play(tts, 3, TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
+                   sentence_end=True))
+    assert tts._made_s > lead + 1.0, "the test needs more audio than the lead before the later sentence"
+    return tts, order
+
+
 def test_a_replys_later_sentence_waits_while_another_sessions_first_words_are_made_until_its_listener_needs_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lead = 1.5
-    tts = session_tts(tmp_path, "later", lead_s=lead)
-    clock = playback_of(tts.ctx)
-    clock.paced = True
-    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(3)))
-
-    sink_play(tts, 3, TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
-                   sentence_end=True))
-    assert tts._made_s > lead + 1.0, "the test needs more audio than the lead before the later sentence"
+    tts, order = reply_past_its_lead(tmp_path, monkeypatch, "later", lead)
     yielded = inference.critical.yielded_s
     with inference.critical.holding():  # another session's confirmed first clause is being made
         later = threading.Thread(target=sink_play, daemon=True,
@@ -163,13 +170,7 @@ def test_a_replys_later_sentence_also_waits_while_another_sessions_speculative_r
     and first clause take longer than the confirmation. Work with slack yields to it as to a
     confirmed turn's (here: the other session's speculative decode on another shared model)."""
     lead = 1.5
-    tts = session_tts(tmp_path, "later-spec", lead_s=lead)
-    clock = playback_of(tts.ctx)
-    clock.paced = True
-    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(3)))
-    sink_play(tts, 3, TextDelta(turn=3, text="The first sentence of this reply is long enough to last a few seconds.",
-                   sentence_end=True))
-    assert tts._made_s > lead + 1.0, "the test needs more audio than the lead before the later sentence"
+    tts, order = reply_past_its_lead(tmp_path, monkeypatch, "later-spec", lead)
 
     other = Context("stt-other", tmp_path).work  # another session: its turns were sent at an early pause
     decoder = inference.scheduler("stt-of-another-session", 1)
