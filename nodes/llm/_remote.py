@@ -337,16 +337,22 @@ class _Pacer:
         if not any(end for _, end in self._splitter.feed(text)):
             return False
         ahead = self.playback.ahead_s(self.turn, len(self.said))
-        # another session's first words are being made: stop here too while this reply has slack
-        # (half the lead); the request goes on once they are out or the slack is used up (resume)
-        return ahead > self.lead_s + self.margin_s or (inference.critical.busy() and ahead > self.lead_s / 2)
+        # another session's first words are being made: stop here too while this reply has slack;
+        # the request goes on once they are out or the slack is used up (resume)
+        return ahead > self.lead_s + self.margin_s or (inference.critical.busy() and ahead > self.slack_s())
+
+    def slack_s(self) -> float:
+        """How far ahead of its listener the reply may wait for other sessions' first words: half
+        the lead, and what a continuation takes on this machine now (the margin), or the listener
+        would run out before the continuation's words are spoken."""
+        return self.lead_s / 2 + self.margin_s
 
     def resume(self, cancelled: Any) -> bool:
         """Wait for the listener; False when the turn is over meanwhile (a barge-in, the end)."""
         self.ctx.record("llm_paused", turn=self.turn, chars=len(self.said))
         outcome = self.playback.wait_ahead(self.turn, len(self.said), self.lead_s + self.margin_s, cancelled)
         if outcome == "due":  # another session's first words go first while this reply has slack
-            inference.critical.yield_to(lambda: self.playback.ahead_s(self.turn, len(self.said)) > self.lead_s / 2,
+            inference.critical.yield_to(lambda: self.playback.ahead_s(self.turn, len(self.said)) > self.slack_s(),
                                         cancelled)
         if outcome == "stalled":
             self.ctx.log.info("turn %d: nothing of the reply was played for a while: it is written on without "
