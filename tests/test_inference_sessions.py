@@ -163,6 +163,27 @@ def test_a_replys_later_sentence_waits_while_another_sessions_first_words_are_ma
     assert inference.critical.yielded_s - yielded >= lead / 3, "counted as time yielded"
 
 
+def test_a_later_sentence_keeps_what_a_piece_takes_as_slack_when_it_lets_first_words_go_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Down to a third of the lead alone, the listener ran out while a slow piece was made (a gap):
+    it keeps what its later pieces took lately on top (their slot waits included)."""
+    lead = 1.5
+    tts, order = reply_past_its_lead(tmp_path, monkeypatch, "later-slack", lead)
+    sink_play(tts, 3, TextDelta(turn=3, text=" A second sentence, written at once, is long enough to be timed well "
+                                             "by the clock of the test.", sentence_end=True))
+    took = tts._piece_s  # what that later piece took
+    assert took > 0.1, f"a later piece took {took:.3f} s: the test needs one that takes longer than the polling"
+    with inference.critical.holding():  # another session's first words are being made
+        later = threading.Thread(target=sink_play, daemon=True,
+                                 args=(tts, 3, TextDelta(turn=3, text=" And a third.", sentence_end=True)))
+        later.start()
+        done(later)
+    _, made, played = order[-1]
+    # it stopped waiting once the listener had a third of the lead and that piece's time left to hear
+    assert lead / 3 + took - 0.1 <= made - played <= lead / 3 + took + 1e-6, (made - played, took)
+
+
 def test_a_replys_later_sentence_also_waits_while_another_sessions_speculative_reply_is_begun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -178,6 +199,7 @@ def test_a_replys_later_sentence_also_waits_while_another_sessions_speculative_r
     # first clause (of a turn the session marked speculative)
     for turn, ask in ((5, "speculative"), (6, "first")):
         other.speculate(turn)
+        slack = lead / 3 + tts._piece_s  # what it keeps (the test below)
         with decoder.slot(ask, session=other, turn=turn) as ran_as:  # its speculative work runs
             assert ran_as == "speculative"
             later = threading.Thread(target=sink_play, daemon=True,
@@ -186,7 +208,7 @@ def test_a_replys_later_sentence_also_waits_while_another_sessions_speculative_r
             later.start()
             done(later)
         _, made, played = order[-1]
-        assert made - played <= lead / 3 + 1e-6, (ask, made, played)  # not at the lead: it waited for the slack's end
+        assert made - played <= slack + 1e-6, (ask, made, played)  # not at the lead: it waited for the slack's end
         assert not inference.critical.busy()
         sink_play(tts, 3, TextDelta(turn=3, text=" A long sentence again, long enough to give the next one slack.",
                                     sentence_end=True))

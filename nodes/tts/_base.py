@@ -160,6 +160,9 @@ class SentenceTTS(Node, Voiced):
         #: seconds of a reply made ahead of what the listener has played (paced sinks only; 0: off)
         self.lead_s = float(lead_s)
         self._made_s = 0.0  # audio of the reply being spoken made so far (seconds)
+        #: what a later piece took lately, its wait for a slot included (the slowest, fading by a
+        #: fifth per piece): the slack it keeps when it lets other sessions' first words go first
+        self._piece_s = 0.0
         self._failed_turn: int | None = None  # a live reply whose endpoint failed: the rest goes unspoken
 
     # -- what a backend implements -------------------------------------------------------
@@ -277,7 +280,7 @@ class SentenceTTS(Node, Voiced):
             kind, deadline = self._schedule(turn)
             if self.interrupted(turn):
                 return
-            made_before = self._made_s
+            made_before, began = self._made_s, time.monotonic()
             stream = iter(self.synthesize(text))
             try:
                 while (pcm := self._made_in_slot(stream, kind, turn, deadline)) is not _END:
@@ -293,6 +296,8 @@ class SentenceTTS(Node, Voiced):
                     close()
             # the text's pace, for an LLM that writes a reply just ahead of its listener (llm.lead_s)
             playback.spoken(turn, len(text) + 1, self._made_s - made_before)
+            if kind == "later":
+                self._piece_s = max(0.8 * self._piece_s, time.monotonic() - began)
         if resample is not None and not self.interrupted(turn):
             yield from self._chunks(resample.flush(), rate_out, text, turn)
 
@@ -308,8 +313,10 @@ class SentenceTTS(Node, Voiced):
         cancelled = lambda: self.interrupted(turn) or self.ctx.stopping.is_set()  # noqa: E731
         if self.lead_s and self._made_s > self.lead_s:
             playback.wait_played(turn, self._made_s - self.lead_s, cancelled=cancelled)
-        if self.lead_s:  # another session's first words go first while the listener has audio enough
-            critical.yield_to(lambda: self._made_s - playback.played_s(turn) > self.lead_s / 3, cancelled)
+        if self.lead_s:  # another session's first words go first while the listener has audio enough:
+            # a third of the lead, and what a piece takes now (or the listener runs out meanwhile)
+            critical.yield_to(lambda: self._made_s - playback.played_s(turn) > self.lead_s / 3 + self._piece_s,
+                              cancelled)
         return "later", time.monotonic() + max(0.0, self._made_s - playback.played_s(turn))
 
     def _made_in_slot(self, stream: Iterator[np.ndarray], kind: str, turn: int, deadline: float | None) -> Any:
