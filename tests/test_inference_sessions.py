@@ -170,9 +170,11 @@ def test_a_later_sentence_keeps_what_a_piece_takes_as_slack_when_it_lets_first_w
     it keeps what its later pieces took lately on top (their slot waits included)."""
     lead = 1.5
     tts, order = reply_past_its_lead(tmp_path, monkeypatch, "later-slack", lead)
-    sink_play(tts, 3, TextDelta(turn=3, text=" A second sentence, written at once, is long enough to be timed well "
-                                             "by the clock of the test.", sentence_end=True))
-    took = tts._piece_s  # what that later piece took
+    sink_play(tts, 3, TextDelta(turn=3, text=" A second sentence, written at once and spoken in one piece, is long "
+                                             "enough to be timed well by the clock of the test, even on a machine "
+                                             "several times faster than the one it was written on.",
+                                sentence_end=True))
+    took = tts._piece_s  # what that later piece took (0.5 s on a 2-core AMD EPYC)
     assert took > 0.1, f"a later piece took {took:.3f} s: the test needs one that takes longer than the polling"
     with inference.critical.holding():  # another session's first words are being made
         later = threading.Thread(target=sink_play, daemon=True,

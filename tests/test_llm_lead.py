@@ -179,7 +179,8 @@ def test_while_another_sessions_first_words_are_made_a_reply_stops_at_half_its_l
     """The server's cores go to the first words; the reply waits while it has slack and goes on."""
     from s2s_flow import inference
 
-    lead = 8.0  # far: alone, the reply is cut only once it is more than 8 s ahead of its listener
+    lead = 10.0  # far: alone, the reply is cut only once it is more than 10 s ahead of its listener; its
+    # sentences (~4 s each) leave a sentence end between half the lead and the lead
     events: list[str] = []
     cuts: list[int] = []
     llm, tts = nodes(api, tmp_path, lead, events, cuts)
@@ -189,7 +190,7 @@ def test_while_another_sessions_first_words_are_made_a_reply_stops_at_half_its_l
     llm.close()
     ahead = dict((len(said), ahead) for said, ahead in call.ahead)
     at_cuts = [round(ahead[chars], 2) for chars in cuts]
-    assert len(reply) * 0.075 > 2 * lead, "the reply must last far past the lead for it to mean something"
+    assert len(reply) * 0.075 > lead + 5, "the reply must last far past the lead for it to mean something"
     assert at_cuts and min(at_cuts) < lead, f"cut only at the whole lead: {at_cuts} s ahead"
     assert all(a > lead / 2 for a in at_cuts), at_cuts  # never while it had no slack
     assert llm.conversation.exchanges[-1].reply == reply  # one reply, written on after each cut
