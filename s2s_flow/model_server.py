@@ -198,7 +198,14 @@ class _Signals:
 
 
 def _pdeathsig() -> Callable[[], None] | None:
-    """In the child: die with the parent (Linux), so even a SIGKILLed s2s-run leaves no server."""
+    """In the child: die with the parent (Linux), so even a SIGKILLed s2s-run leaves no server.
+
+    KILL, not TERM: with s2s-run gone nobody escalates (``_stop``'s TERM-then-KILL needs a live
+    parent), and a server's own shutdown can wait on work in flight (llama-server finishes the
+    batch it is decoding; once, in CI, an orphaned one was still alive 10 s after its TERM).
+    Nothing is lost: its log's reader died with s2s-run, and servers with workers of their own
+    (vLLM) have those die with their parent in turn.
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -207,7 +214,7 @@ def _pdeathsig() -> Callable[[], None] | None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -453,8 +460,12 @@ def _watch(spec: ServerSpec, run_dir: Path, argv: list[str], proc: subprocess.Po
         starter.wait_ready(started, run_dir / spec.log, name)
         _write_info(run_dir, handle)
 
+    def stop_proc(old: subprocess.Popen) -> None:
+        _stop(old, spec.stop_timeout_s)
+        starter.log_complete()  # the last lines of one it started (its copier is this starter's)
+
     return Watch(name, spec, proc, probe=probe, start=start, ready=ready, stopping=stopping,
-                 stop_proc=lambda old: _stop(old, spec.stop_timeout_s)).start()
+                 stop_proc=stop_proc).start()
 
 
 def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:

@@ -64,7 +64,8 @@ def _count(name: str) -> None:
 
 class Watch:
     """Watches ``proc`` (the server ``name``) on a thread of its own; ``stop()`` ends it and
-    returns the process to stop (the last one it started, maybe not the first).
+    returns the process to stop (the last one, maybe not the first: one it started, it has
+    stopped itself by then).
 
     ``probe()``: None while the server answers, else what it answered instead. ``start()``: a
     new process (already logging); ``ready(proc)``: returns once it answers, raises S2SError if
@@ -78,7 +79,9 @@ class Watch:
         self._probe, self._start, self._ready, self._stop_proc = probe, start, ready, stop_proc
         self.stopping = stopping
         self.gave_up = False
-        # The thread lives as long as the run: a server it started dies with it (PR_SET_PDEATHSIG).
+        # The thread lives as long as the run and stops a server it started itself before it ends:
+        # the end of the thread that started a server KILLs that server (PR_SET_PDEATHSIG).
+        self._first = proc
         self._thread = threading.Thread(target=self._run, name=f"watch:{name}", daemon=True)
 
     def start(self) -> Watch:
@@ -109,6 +112,8 @@ class Watch:
             if not self._come_back(why):
                 break
         self.stopping.wait()
+        if self.proc is not self._first:
+            self._stop_proc(self.proc)
 
     def _come_back(self, why: str) -> bool:
         tries = self.spec.max_restarts

@@ -312,7 +312,26 @@ def test_even_a_killed_s2s_run_takes_its_server_down(tmp_path):
         proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert wait_until(lambda: not processes_with(f"--port\0{port}\0"), 10)
+    needle = f"--port\0{port}\0"
+    assert wait_until(lambda: not processes_with(needle), 10), \
+        f"left behind: {_described(processes_with(needle))}; its log ends: {_log_tail(run_dir)}"
+
+
+def _described(found: list[tuple[int, str]]) -> str:
+    """Each process left behind with its state and parent, from /proc: what a failure must show."""
+    parts = []
+    for pid, cmdline in found:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            parts.append(f"pid {pid} state {stat[0]} parent {stat[1]}: {cmdline[:120]}")
+        except OSError:
+            parts.append(f"pid {pid} (gone while looked at)")
+    return "; ".join(parts) or "nothing"
+
+
+def _log_tail(run_dir: Path) -> str:
+    log = run_dir / "server.log"
+    return " | ".join(log.read_text(errors="replace").splitlines()[-5:]) if log.exists() else "(no log)"
 
 
 def test_processes_with_finds_a_live_process():  # the orphan checks above rely on it

@@ -1,7 +1,8 @@
 """The managed server comes back (s2s_flow/server_watch.py), on a real llama-server: one that is
 frozen (SIGSTOP: alive, but answers nothing) is restarted after its missed probes; one that
 cannot come back (its model file gone) is tried a bounded number of times, each try counted,
-then given up on; a server started by someone else is never restarted."""
+then given up on; a server started by someone else is never restarted; a restarted server is
+stopped at the end as gently as the first."""
 
 from __future__ import annotations
 
@@ -37,6 +38,21 @@ def test_a_frozen_server_is_restarted_after_its_missed_probes(llama_server_binar
     assert f"llama-server:{port} stopped answering" in caplog.text and "2 probes in a row" in caplog.text
     assert restarts()[f"llama-server:{port}"] == 1
     assert not processes_with(f"--port\0{port}\0"), "neither the frozen server nor the new one is left"
+
+
+def test_a_restarted_server_is_stopped_as_gently_as_the_first_at_the_end(llama_server_binary, smollm2_gguf,
+                                                                          tmp_path):
+    # The watch's thread started it, and a thread's end KILLs what it started (PR_SET_PDEATHSIG):
+    # the watch stops it itself first, so llama-server runs its own shutdown as the first one would.
+    port = free_port()
+    with managed_server(_cfg(smollm2_gguf, port), tmp_path) as handle:
+        first = handle.pid
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: handle.pid != first and answers(port), 120)
+    starts = (tmp_path / "server.log").read_text().split("$ ")
+    assert len(starts) == 3, "the first server and its restart, each logged"
+    assert "cleaning up before exit" in starts[2], starts[2][-400:]
+    assert not processes_with(f"--port\0{port}\0")
 
 
 def test_a_server_that_cannot_come_back_is_tried_a_bounded_number_of_times(llama_server_binary, smollm2_gguf,
