@@ -16,7 +16,10 @@ has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) an
 (llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn. Then the
 largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms``
 per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 100-200 ms from run to run,
-so compare trees over several runs pooled (alternating which tree goes first).
+so compare trees over several runs pooled (alternating which tree goes first). ``--min-turns T``
+repeats each N with fresh conversations (other questions) until it has T turns: one conversation's
+p95 of 8 turns is their slowest but one, a ratio against 4 conversations' p95 of 32 turns is then
+mostly the noise of the one-conversation figure.
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
@@ -173,7 +176,10 @@ class Listener:
                 self.done.set()
 
 
-async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace) -> dict:
+async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace,
+                       order: int | None = None) -> dict:
+    """Client ``k`` (started k stagger-s late) asks the questions in the order numbered ``order``
+    (default ``k``): each client, and each round's, its own."""
     from websockets.asyncio.client import connect
 
     await asyncio.sleep(k * args.stagger_s)
@@ -196,7 +202,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
         tasks = [asyncio.create_task(mic.run()), asyncio.create_task(listener.run(ws))]
         try:
             for j in range(args.turns):
-                pcm, end = said[(k * 3 + j) % len(said)]  # each client its own order
+                pcm, end = said[((k if order is None else order) * 3 + j) % len(said)]
                 t_end, spoken = mic.say(pcm, end)
                 listener.expect(t_end)
                 await spoken
@@ -218,8 +224,9 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
     return out
 
 
-async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace) -> dict:
-    results = await asyncio.gather(*(conversation(url, k, said, args) for k in range(n)))
+async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], args: argparse.Namespace,
+                        round_: int = 0) -> dict:
+    results = await asyncio.gather(*(conversation(url, k, said, args, k + round_ * n) for k in range(n)))
     return {"v2v": [v for r in results for v in r["v2v"]], "errors": [e for r in results for e in r["errors"]],
             "refused": sum(r["refused"] for r in results), "reply_s": [v for r in results for v in r["reply_s"]],
             "gap_ms": [v for r in results for v in r["gap_ms"]]}
@@ -322,9 +329,15 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
             print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
             before, cpu0 = scrape(server.port), server.cpu_s()
             got = asyncio.run(conversations(url, n, said, args))
+            rounds = 1
+            while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
+                more = asyncio.run(conversations(url, n, said, args, rounds))
+                got = {key: got[key] + more[key] for key in got}
+                rounds += 1
             after, cpu1 = scrape(server.port), server.cpu_s()
             turns = max(1, len(got["v2v"]))
             rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "turns": len(got["v2v"]),
+                       "rounds": rounds,
                        "errors": len(got["errors"]) + got["refused"], "refused": got["refused"],
                        "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
@@ -371,6 +384,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--server-tree", nargs="+", default=[str(ROOT)], metavar="PATH",
                     help="source trees to start the server from, one after the other (default: this one)")
     ap.add_argument("--turns", type=int, default=4, help="questions per conversation")
+    ap.add_argument("--min-turns", type=int, default=0,
+                    help="repeat each N with fresh conversations until it has this many turns (e.g. 32: one "
+                         "conversation's p95 over 32 turns, as 4 conversations' over 4 x 8, not the max of 8)")
     ap.add_argument("--stagger-s", type=float, default=3.0, help="between the clients' starts")
     ap.add_argument("--think-s", type=float, default=1.0, help="after listening to a reply")
     ap.add_argument("--reply-timeout-s", type=float, default=30.0, help="a reply not done by then is an error")
@@ -392,7 +408,8 @@ def main(argv: list[str]) -> None:
     for i, tree in enumerate(trees):
         name = tree.name if [t.name for t in trees].count(tree.name) == 1 else str(tree)
         results[name] = run_tree(tree, ns, said, args, args.out / f"tree{i}-{tree.name}")
-    report = {"cpu": _cpu_model(), "turns": args.turns, "stagger_s": args.stagger_s, "seed": args.seed, "trees": {
+    report = {"cpu": _cpu_model(), "turns": args.turns, "min_turns": args.min_turns, "stagger_s": args.stagger_s,
+              "seed": args.seed, "trees": {
         name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
     (args.out / "conversations.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

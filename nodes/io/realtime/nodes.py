@@ -12,6 +12,7 @@ their session from ``ctx.session``: the server gives every session's graph its o
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from s2s_flow.audio import LowLatencyResampler, StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioChunk, AudioOut, Message, Speech, SpeechStarted, TextDelta, Transcript
 from s2s_flow.node import Node
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RealtimeSource", "RealtimeSink", "API_KEY_ENV"]
 
@@ -122,6 +125,7 @@ class RealtimeSource(Node):
         twilio_voice: str | None = None,
         twilio_instructions: str | None = None,
         twilio_auth_token: str | None = None,
+        small_heap: bool = True,
     ) -> None:
         _check_rate(rate)
         from nodes.io.realtime.admission import check
@@ -167,6 +171,7 @@ class RealtimeSource(Node):
         self.target_ms, self.admission, self.admission_wait_s = target_ms, admission, admission_wait_s
         self.twilio_voice, self.twilio_instructions = twilio_voice, twilio_instructions
         self.twilio_auth_token = twilio_auth_token or os.environ.get(TWILIO_TOKEN_ENV) or None
+        self.small_heap = bool(small_heap)
         self.session: Session | None = None
 
     @property
@@ -187,6 +192,11 @@ class RealtimeSource(Node):
 
     def serve(self, make_graph: Any, run_dir: Any, **options: Any) -> dict[str, Any]:
         """Serve until SIGINT/SIGTERM: one graph from ``make_graph()`` per connection."""
+        if self.small_heap:
+            from s2s_flow import heap
+
+            if not heap.small():
+                log.info("io.small_heap: this C library keeps its own ways (not glibc): left as it is")
         return self.server(make_graph, run_dir, **options).run()
 
     def setup(self) -> None:
