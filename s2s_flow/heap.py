@@ -9,7 +9,9 @@ turns come and go on a dozen threads, both make each new session cost what its b
 
 ``small()`` fixes the threshold at 128 KiB (large blocks are always mapped, so freed at once) and
 allows 2 arenas. Call it before the threads start: glibc fixes its arena limit once 8 arenas exist.
-Elsewhere than glibc on Linux it does nothing and says so (False).
+Elsewhere than glibc on Linux it does nothing and says so (False). The price: every large block
+is a fresh mapping, its pages faulted in and unmapped again; on 2 cores voice-to-voice was later
+with it (io.small_heap in conf/io/realtime.yaml has the figures), so it is asked for, not default.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class RealtimeSource(Node):
         twilio_voice: str | None = None,
         twilio_instructions: str | None = None,
         twilio_auth_token: str | None = None,
-        small_heap: bool = True,
+        small_heap: bool = False,
     ) -> None:
         _check_rate(rate)
         from nodes.io.realtime.admission import check
