@@ -198,14 +198,8 @@ class _Signals:
 
 
 def _pdeathsig() -> Callable[[], None] | None:
-    """In the child: die with the parent (Linux), so even a SIGKILLed s2s-run leaves no server.
-
-    KILL, not TERM: with s2s-run gone nobody escalates (``_stop``'s TERM-then-KILL needs a live
-    parent), and a server's own shutdown may take long (once, in CI, an orphaned llama-server was
-    still alive 10 s after its TERM; not seen again in 30 tries here, cause unknown).
-    Nothing is lost: its log's reader died with s2s-run, and servers with workers of their own
-    (vLLM) have those die with their parent in turn.
-    """
+    """In the child: die with the parent (Linux), so even a SIGKILLed s2s-run leaves no server. KILL:
+    an orphan has nobody to escalate TERM (once, in CI, one lived 10 s past its TERM; cause unknown)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
