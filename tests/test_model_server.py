@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from s2s_flow.llama_server import find_llama_server
-from s2s_flow.model_server import ServerError, managed_server
+from s2s_flow.model_server import ServerError, _tail, managed_server
 from tests.support.managed import cli_env, processes_with, question_wav, start_cli, wait_until
 from tests.support.servers import free_port
 
@@ -314,7 +314,7 @@ def test_even_a_killed_s2s_run_takes_its_server_down(tmp_path):
         proc.kill()
     needle = f"--port\0{port}\0"
     assert wait_until(lambda: not processes_with(needle), 10), \
-        f"left behind: {_described(processes_with(needle))}; its log ends: {_log_tail(run_dir)}"
+        f"left behind: {_described(processes_with(needle))}; its log ends: {_tail(run_dir / 'server.log', 5)}"
 
 
 def _described(found: list[tuple[int, str]]) -> str:
@@ -327,11 +327,6 @@ def _described(found: list[tuple[int, str]]) -> str:
         except OSError:
             parts.append(f"pid {pid} (gone while looked at)")
     return "; ".join(parts) or "nothing"
-
-
-def _log_tail(run_dir: Path) -> str:
-    log = run_dir / "server.log"
-    return " | ".join(log.read_text(errors="replace").splitlines()[-5:]) if log.exists() else "(no log)"
 
 
 def test_processes_with_finds_a_live_process():  # the orphan checks above rely on it
