@@ -289,6 +289,28 @@ def test_a_session_graph_is_built_at_its_clients_first_valid_event_never_for_one
         until(lambda: server.open == 0, what="the sessions to end")
 
 
+def test_a_finished_reply_gives_what_it_freed_back_while_its_session_stays_open(llama, tmp_path, monkeypatch):  # noqa: F811
+    # glibc keeps what a turn freed; a session open for hours between turns would keep its busiest
+    # turn's worth (bench_realtime.py --memory). The trim comes a moment after the reply, not the hang-up.
+    from nodes.io.realtime import limits
+
+    trims: list[str] = []
+    real = limits._malloc_trim
+
+    def trim() -> None:
+        trims.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(limits, "_malloc_trim", trim)
+    with serving(llama, tmp_path) as (url, server), _raw(url) as ws:
+        _next(ws, "session.created")
+        _speak(ws, QUESTION)
+        assert _next(ws, "response.done")["response"]["status"] == "completed"
+        until(lambda: trims, timeout=10, what="the heap's trim after the reply")
+        assert server.open == 1, "the session is still open: its reply, not its end, asked for the trim"
+        assert trims[0] != "realtime-server", "the trim (2-8 ms) runs off the server's loop, not on it"
+
+
 def test_a_reconnect_storm_gets_sessions_or_clean_refusals_and_leaves_nothing_behind(llama, tmp_path):  # noqa: F811
     with serving(llama, tmp_path, "io.max_sessions=8") as (url, server):
         with _raw(url) as warm:  # the first session's threads and pools, before counting

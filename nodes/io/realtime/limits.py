@@ -67,7 +67,7 @@ class EventRate:
         return None
 
 
-_TRIM_DELAY_S = 1.0  # after the last session's end in a row
+_TRIM_DELAY_S = 1.0  # after the last session's end or reply's end in a row
 _trim: list[asyncio.TimerHandle] = []
 
 
@@ -81,14 +81,16 @@ def _malloc_trim() -> None:
 
 
 def trim_memory_soon() -> None:
-    """A session ended: give the memory its buffers left free back a moment later (once after a burst).
+    """A session ended or a reply is done: the memory its buffers left free goes back to the OS a
+    moment later (once after a burst), on a worker thread (a trim takes 2-8 ms: not the loop's).
 
     glibc keeps freed memory in its heap for reuse: after 10 MB frames, a storm's graphs or a long
-    reply's audio, the server's RSS would stay up by tens of MB (measured: benchmarks/bench_abuse.py)."""
+    reply's audio, the server's RSS would stay up by tens of MB (measured: benchmarks/bench_abuse.py),
+    and each session open would keep what its busiest turn took (``bench_realtime.py --memory``)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return _malloc_trim()
     while _trim:
         _trim.pop().cancel()
-    _trim.append(loop.call_later(_TRIM_DELAY_S, _malloc_trim))
+    _trim.append(loop.call_later(_TRIM_DELAY_S, loop.run_in_executor, None, _malloc_trim))

@@ -319,6 +319,9 @@ class RealtimeServer:
         """A session's figure (its metrics callback, any thread): to /metrics and to admission."""
         if name == "voice_to_voice_s":
             self.admission.voice_to_voice(value)
+        elif name == "turn" and self._loop is not None:  # a reply done: its buffers' pages back soon
+            with contextlib.suppress(RuntimeError):  # the server's loop is gone: nothing to give back
+                self._loop.call_soon_threadsafe(trim_memory_soon)
         self.metrics.observe(name, value)
 
 
