@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -80,9 +81,15 @@ def _malloc_trim() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
+def _trim_off_the_loop() -> None:
+    """The trim on a thread of its own (2-8 ms, not the server loop's), which ends with it: no pool
+    thread stays behind for the server's life."""
+    threading.Thread(target=_malloc_trim, name="malloc-trim", daemon=True).start()
+
+
 def trim_memory_soon() -> None:
     """A session ended or a reply is done: the memory its buffers left free goes back to the OS a
-    moment later (once after a burst), on a worker thread (a trim takes 2-8 ms: not the loop's).
+    moment later (once after a burst), off the server's loop.
 
     glibc keeps freed memory in its heap for reuse: after 10 MB frames, a storm's graphs or a long
     reply's audio, the server's RSS would stay up by tens of MB (measured: benchmarks/bench_abuse.py),
@@ -93,4 +100,4 @@ def trim_memory_soon() -> None:
         return _malloc_trim()
     while _trim:
         _trim.pop().cancel()
-    _trim.append(loop.call_later(_TRIM_DELAY_S, loop.run_in_executor, None, _malloc_trim))
+    _trim.append(loop.call_later(_TRIM_DELAY_S, _trim_off_the_loop))
