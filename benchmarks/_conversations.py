@@ -13,7 +13,10 @@ reply, with the longest): a reply written and spoken just in time must not stutt
 Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never
 came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
 has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) and its children
-(llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn. Then the
+(llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn, and the
+Python process's by stage (``s2s_stage_cpu_seconds_total`` from ``/metrics``: each node's threads,
+``native`` for an engine's own threads such as CTranslate2's that run Whisper, ``other`` for the
+event loop and the rest; s2s_flow/cpu.py). Then the
 largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms``
 per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 100-200 ms from run to run,
 so compare trees over several runs pooled (alternating which tree goes first). ``--min-turns T``
@@ -265,6 +268,14 @@ def shed_by_kind(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: v for k, v in out.items() if v}
 
 
+def cpu_by_stage(before: dict[str, float], after: dict[str, float], turns: int) -> dict[str, float]:
+    """The server process's CPU seconds per turn by stage (``s2s_stage_cpu_seconds``: each node's
+    threads, engines' own threads as ``native``, the rest as ``other``); {} from a tree without it."""
+    prefix = "s2s_stage_cpu_seconds_total{stage="
+    return {key[len(prefix):-1]: round((value - before.get(key, 0.0)) / turns, 3)
+            for key, value in sorted(after.items()) if key.startswith(prefix)}
+
+
 class TreeServer:
     """``s2s-run recipe=local_cpu io=realtime`` from a source tree, in a process of its own."""
 
@@ -342,6 +353,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
                                           "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
+                       "cpu_s_per_turn_by_stage": cpu_by_stage(before, after, turns),
                        "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
@@ -370,6 +382,11 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                       f"{r['gaps']['replies']} ({r['gaps']['max_ms']})" if "gaps" in r else ""]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append("")
+    for t in trees:
+        for n in ns:
+            if stages := results[t][n].get("cpu_s_per_turn_by_stage"):
+                lines.append(f"- {t}, {n} conversation(s): the server's CPU s/turn by stage: "
+                             + ", ".join(f"{k} {v}" for k, v in stages.items()))
     for t in trees:
         ok = [n for n in ns if results[t][n]["p95"] is not None and results[t][n]["p95"] < 1000
               and not results[t][n]["errors"]]

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import GeneratorType
 from typing import Any
 
-from s2s_flow import rings
+from s2s_flow import cpu, rings
 from s2s_flow.errors import NodeFailed, Stopped
 from s2s_flow.graph import Graph, NodeSpec
 from s2s_flow.messages import Message
@@ -294,12 +294,15 @@ class Scheduler:
                 run.thread.join(max(0.0, deadline - time.monotonic()))
 
     def _guarded(self, loop: Callable[[_Running], None], run: _Running) -> None:
-        """A node's thread: whatever ends it with an exception (even in a loop's cleanup)
-        fails the run and names the node, rather than reaching threading.excepthook."""
+        """A node's thread: whatever ends it with an exception (even in a loop's cleanup) fails the
+        run and names the node, rather than reaching threading.excepthook; its CPU time goes to
+        the node's (s2s_flow/cpu.py)."""
         try:
             loop(run)
         except BaseException as exc:
             self._fail(run.name, exc)
+        finally:
+            cpu.thread_ended(run.name)
 
     def _source_loop(self, run: _Running) -> None:
         wakes: list[Any] = []

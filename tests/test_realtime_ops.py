@@ -311,6 +311,31 @@ def test_a_finished_reply_gives_what_it_freed_back_while_its_session_stays_open(
         assert trims[0] != "realtime-server", "the trim (2-8 ms) runs off the server's loop, not on it"
 
 
+def test_metrics_show_the_cpu_time_of_each_stage_and_of_whispers_own_threads(llama, tmp_path):  # noqa: F811
+    # where a turn's CPU goes, per stage (bench_realtime.py --conversations reports it per turn)
+    def by_stage(server: Any) -> dict[str, float]:
+        return {s.labels["stage"]: s.value for family in server.metrics.registry.collect()
+                if family.name == "s2s_stage_cpu_seconds" for s in family.samples}
+
+    with serving(llama, tmp_path) as (url, server):
+        before = by_stage(server)
+        with _raw(url) as ws:
+            _next(ws, "session.created")
+            _speak(ws, QUESTION)
+            assert _next(ws, "response.done")["response"]["status"] == "completed"
+            live = by_stage(server)  # the session's node threads still running
+        until(lambda: server.open == 0, what="the session to end")
+        until(lambda: not [t for t in threading.enumerate() if t.name == "node:tts"], what="its threads to end")
+        ended = by_stage(server)
+    spent = {stage: live.get(stage, 0.0) - before.get(stage, 0.0) for stage in live}
+    for stage in ("vad", "stt", "llm", "tts", "source", "sink"):
+        assert spent.get(stage, 0) > 0, f"{stage}: {spent}"
+        assert ended.get(stage, 0.0) >= live[stage], f"{stage}: its threads' CPU is kept once they end: {ended}"
+    # Whisper runs on CTranslate2's own thread, not the STT node's
+    assert spent["native"] > 0.02, spent
+    assert spent["tts"] > spent["llm"], f"Piper synthesizes on the TTS node's thread: {spent}"
+
+
 def test_a_reconnect_storm_gets_sessions_or_clean_refusals_and_leaves_nothing_behind(llama, tmp_path):  # noqa: F811
     with serving(llama, tmp_path, "io.max_sessions=8") as (url, server):
         with _raw(url) as warm:  # the first session's threads and pools, before counting

@@ -1,7 +1,7 @@
 """The realtime server's Prometheus figures (``/metrics``): sessions, turns, voice-to-voice, the
 sessions it closed and refused and why, the stages that failed, the managed model server's
-restarts, the shared models' queues (admission.py's InferenceCollector), and whether it takes a
-new session now, as ``/readyz`` says (``s2s_ready``, ``s2s_not_ready{reason}``)."""
+restarts, the shared models' queues (admission.py's InferenceCollector), the CPU time by stage,
+and whether it takes a new session now, as ``/readyz`` says (``s2s_ready``, ``s2s_not_ready{reason}``)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class ServerMetrics:
         self.failures = prom.Counter("s2s_stage_failures", "Turns whose stage failed (the session went on: "
                                      "llm.fallback_reply, or an error event)", ["stage"], registry=self.registry)
         self.registry.register(_RestartCollector(prom))
+        self.registry.register(_CpuCollector(prom))
         self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
                                   "sent", registry=self.registry,
                                   buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
@@ -69,6 +70,24 @@ class _RestartCollector:
                               "or stopped answering)", labels=["server"])
         for server, count in restarts().items():
             family.add_metric([server], count)
+        yield family
+
+
+class _CpuCollector:
+    """``s2s_stage_cpu_seconds_total{stage}``: the server process's CPU time by stage (each node's
+    threads, an engine's own threads as ``native``, the rest as ``other``: s2s_flow/cpu.py)."""
+
+    def __init__(self, prom: Any) -> None:
+        self._family = prom.metrics_core.CounterMetricFamily
+
+    def collect(self) -> Any:
+        from s2s_flow.cpu import by_stage
+
+        family = self._family("s2s_stage_cpu_seconds", "CPU time of the server process by stage: each node's "
+                              "threads (vad, stt, llm, tts, ...), engines' own threads (native), the rest (other)",
+                              labels=["stage"])
+        for stage, seconds in sorted(by_stage().items()):
+            family.add_metric([stage], seconds)
         yield family
 
 
