@@ -26,9 +26,8 @@ _ended: dict[str, float] = {}
 
 def thread_ended(stage: str) -> None:
     """Called by a node's thread as it ends: its CPU time so far goes to ``stage``'s total."""
-    spent = time.thread_time()
-    with _lock:
-        _ended[stage] = _ended.get(stage, 0.0) + spent
+    with _lock:  # read under it: a running reading of this thread, taken while it waited, is never more
+        _ended[stage] = _ended.get(stage, 0.0) + time.thread_time()
         threading.current_thread().cpu_counted = True  # type: ignore[attr-defined]
 
 
@@ -50,14 +49,16 @@ def _thread_cpu_s(tid: int) -> float | None:
 
 def by_stage() -> dict[str, float]:
     """CPU seconds since the process started: ``{node name: s, "native": s, "other": s}``."""
-    with _lock:  # a node thread that ends after this is read running, or is gone (read at the next call)
+    # Under the lock a node thread is either counted as ended or still running: one that ends waits
+    # in thread_ended() until the running ones are read (a server's sessions end many at once).
+    with _lock:
         out = dict(_ended)
         python = threading.enumerate()  # before the listing: a thread that starts now is not taken for native
-        running = [t for t in python if t.name.startswith(_PREFIX) and not getattr(t, "cpu_counted", False)]
-    for thread in running:
-        if thread.native_id is not None and (spent := _thread_cpu_s(thread.native_id)) is not None:
-            stage = thread.name[len(_PREFIX):]
-            out[stage] = out.get(stage, 0.0) + spent
+        for thread in python:
+            if (thread.name.startswith(_PREFIX) and not getattr(thread, "cpu_counted", False)
+                    and thread.native_id is not None and (spent := _thread_cpu_s(thread.native_id)) is not None):
+                stage = thread.name[len(_PREFIX):]
+                out[stage] = out.get(stage, 0.0) + spent
     known = {t.native_id for t in python}
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
