@@ -128,3 +128,33 @@ def test_history_keeps_the_last_turns_and_alternates_roles():
     ]
     conv.truncate_last_reply("partial")
     assert conv.exchanges[-1].reply == "partial"
+
+
+def test_a_full_window_drops_its_older_half_at_once_so_most_prompts_only_grow():
+    """A server's prompt cache serves a prompt that only grew from the previous request's; one whose
+    start moved makes llama-server shift its KV cache (+250 ms to the first token with the
+    recipe's 5 slots, every slot's generation waiting). Sliding the window one turn at a time moved
+    the start every turn once the window was full; dropping the older half moves it every 4th."""
+    conv = Conversation("sys", 8)
+    prompts, users = [], []
+    for n in range(1, 21):
+        conv.add_user(f"q{n}", n)
+        prompts.append(conv.messages())
+        users.append([m["content"] for m in prompts[-1] if m["role"] == "user"])
+        conv.record_reply(conv.exchanges[-1], f"a{n}")
+    grown = [[*prompts[n - 2], {"role": "assistant", "content": f"a{n - 1}"}] for n in range(2, 21)]
+    moved = [n for n, before in zip(range(2, 21), grown, strict=True) if prompts[n - 1][: len(before)] != before]
+    assert moved == [9, 13, 17], f"turns whose prompt does not extend the previous one: {moved}"
+    assert all(len(u) <= 8 for u in users)
+    assert all(len(u) >= 5 for u in users[8:]), "a trimmed window keeps more than half of its turns"
+    assert users[8] == ["q5", "q6", "q7", "q8", "q9"] and users[-1][-1] == "q20"
+    early = Conversation("sys", 8)  # make_room(): the same trim once a reply is written (nodes/llm/chat.py)
+    for n in range(1, 21):
+        early.add_user(f"q{n}", n)
+        assert early.messages() == prompts[n - 1]
+        early.record_reply(early.exchanges[-1], f"a{n}")
+        assert early.make_room() == (n in (8, 12, 16, 20))
+    one = Conversation(None, 1)  # max_history_turns=1: only the turn being answered
+    for n in range(1, 4):
+        one.record_reply(one.add_user(f"q{n}", n), "a")
+    assert one.messages() == [{"role": "user", "content": "q3"}]

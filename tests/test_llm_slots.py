@@ -5,6 +5,7 @@ Real llama-server, real SmolLM2; the order of events is asserted, not their time
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from nodes.llm.chat import ChatCompletionsLLM
 from s2s_flow.compose import compose
 from s2s_flow.model_server import managed_server
 from s2s_flow.model_server_spec import ServerSpec
-from tests.support.remote_llm import llm_node, turn
+from tests.support.remote_llm import llm_node, text_of, turn
 from tests.support.servers import free_port, running_llama_server
 
 REPLY_TOKENS = 256  # long enough that the second request is sent while the first still streams
@@ -124,6 +125,31 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words(llama_s
         node.close()
     # turns 4-6 each drop the oldest exchange (~40-60 tokens stay behind it); their own new words are ~15
     assert max(read[3:]) < 30, f"prompt tokens read per turn: {read}"
+
+
+def test_a_full_window_is_trimmed_between_turns_so_no_turn_waits_for_the_cache_to_shift(
+        llama_server_binary, smollm2_gguf, tmp_path: Path):
+    """Dropping old turns moves the prompt's start, and llama-server shifts the kept turns in its KV
+    cache: over every slot's cells, with every slot's generation waiting. The node trims a full
+    window once its reply is written and sends the trimmed prompt with one token to write: each
+    shift happens in that request, none in a turn's own (seen failing: every shift in a turn's
+    request, when the window was trimmed only as the next turn began)."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
+    with managed_server(cfg.server, tmp_path):
+        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
+        questions = ["What is the capital of France?", "How many people live there?", "What is it famous for?",
+                     "What food should I try there?", "Is it expensive?", "Where should I stay?", "When should I go?"]
+        replies = [text_of(turn(node, question, n)) for n, question in enumerate(questions, 1)]
+        node.close()
+    assert all(replies), replies
+    log = (tmp_path / "server.log").read_text()
+    shifted = set(re.findall(r"task (\d+) \| reusing chunk with size \d+, shifting KV cache", log))
+    written = {task: int(n) for task, n in re.findall(r"task (\d+) \|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log)}
+    # the window of 4 is full after turns 4 and 6: two prepared prompts, each with one shift
+    assert len(shifted) == 2, f"requests that shifted the cache: {sorted(shifted)}"
+    assert all(written.get(task) == 1 for task in shifted), f"tokens written by the requests that shifted: {written}"
 
 
 def test_a_server_this_process_did_not_start_places_requests_itself(llama_server_binary, smollm2_gguf, tmp_path):

@@ -66,6 +66,7 @@ class LLMBase(Node, SessionLLM):
         self._stale_below = -(2**62)  # turns below this were interrupted
         self._turn: int | None = None  # the turn whose reply respond() is making
         self._answered: tuple[int, str] | None = None  # (turn, port) of the last reply
+        self._written: int | None = None  # the last turn whose reply the endpoint wrote to its end
 
     # -- what a backend provides -----------------------------------------------------
 
@@ -116,6 +117,15 @@ class LLMBase(Node, SessionLLM):
         except RemoteError as exc:  # no fallback: the reply's end went out with the error (it fails)
             if not turn_failed(self.ctx, "llm", msg.turn, exc):
                 raise
+            return
+        # a speculative turn's reply is often written before its confirmation reaches this node,
+        # but not before the VAD has confirmed it (ctx.work); a withdrawn one is never confirmed
+        if self._written == msg.turn and not self.stale(msg.turn) and self.ctx.work.kind("first", msg.turn) == "first":
+            self.after_reply(exchange)
+
+    def after_reply(self, exchange: Exchange) -> None:
+        """Work for the next turn once this one's reply is written, while its listener hears it (a
+        backend's prompt cache: nodes/llm/chat.py); nothing by default."""
 
     def stale(self, turn: int) -> bool:
         """Whether a barge-in has made ``turn``'s reply unwanted."""
@@ -147,6 +157,7 @@ class LLMBase(Node, SessionLLM):
             for piece in self._pieces(exchange):
                 spoke = spoke or bool(piece)
                 yield piece
+            self._written = exchange.turn  # the endpoint's own reply, not a fallback
         except RemoteError as exc:
             if spoke:  # a tool's filler was said, then the next round failed: the reply ends there
                 self.ctx.log.error("turn %d: reply cut short, keeping the text so far: %s", exchange.turn, exc)

@@ -68,10 +68,16 @@ class Exchange:
 
 
 class Conversation:
-    """System prompt + the last ``max_turns`` exchanges; every request resends it whole.
+    """System prompt + at most the last ``max_turns`` exchanges; every request resends it whole.
 
     Stateless requests keep servers interchangeable and make a dropped reply harmless; the
-    bound keeps the prompt (and its prefill time) from growing without limit.
+    bound keeps the prompt (and its prefill time) from growing without limit. A full window
+    drops its older half at once (``max_turns // 2 + 1`` exchanges stay, the new one included),
+    not one exchange a turn: a server's prompt cache (llama-server, a provider's prefix cache)
+    serves each request from the previous one's whenever the prompt only grew, and a prompt
+    whose start moved costs it more. llama-server shifts the kept turns in its KV cache, and the
+    shift runs over every slot's cells (the recipe's -np 5: +250 ms to that turn's first token, all
+    sessions' generation waiting meanwhile): once every ``max_turns // 2`` turns, not every turn.
     """
 
     def __init__(self, system_prompt: str | None, max_turns: int) -> None:
@@ -81,13 +87,22 @@ class Conversation:
         self.unconfirmed: set[int] = set()  # turns opened on a speculative transcript
 
     def add_user(self, user: Any, turn: int, *, speculative: bool = False) -> Exchange:
-        """Open a new exchange; the oldest ones fall out of the window."""
+        """Open a new exchange; past ``max_turns`` the older half of the window falls out."""
         exchange = Exchange(user=user, turn=turn)
         self.exchanges.append(exchange)
-        del self.exchanges[: -self.max_turns]
+        if len(self.exchanges) > self.max_turns:
+            del self.exchanges[: -(self.max_turns // 2 + 1)]
         if speculative:
             self.unconfirmed.add(turn)
         return exchange
+
+    def make_room(self) -> bool:
+        """Drop the older half of a full window now, as the next ``add_user`` would (so a server's
+        cache can move between turns, not in the next turn's request); True if it did."""
+        if len(self.exchanges) < self.max_turns:
+            return False
+        del self.exchanges[: len(self.exchanges) - self.max_turns // 2]
+        return True
 
     def settle(self, turn: int, speculative: bool, played: Callable[[int], bool] = lambda turn: False) -> bool:
         """Speculative turns (``vad.speculate_ms``): True when this user message of ``turn`` only

@@ -7,6 +7,7 @@ audio-capable models (llama-server with an audio ``--mmproj``, vLLM, OpenAI audi
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +18,15 @@ from nodes.llm._conversation import Exchange, ToolCall
 from nodes.llm._remote import RemoteLLM
 from nodes.llm._slots import scorer_slot
 from nodes.llm._tools import named_tool
+from s2s_flow import inference
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import Message, Speech, TextDelta, Transcript
 
 AUDIO_CONTENT_TYPES = ("input_audio", "audio_url")
 AUDIO_PLACEHOLDER = "[user audio]"
+#: the most a prepared prompt waits for other sessions' first words (ChatCompletionsLLM.after_reply)
+PREPARE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +195,30 @@ class ChatCompletionsLLM(RemoteLLM):
         prompt cache holds the reply's tokens: only the last few are read again)."""
         messages = [*body["messages"], {"role": "assistant", "content": said}]
         return {**body, "messages": messages}
+
+    def after_reply(self, exchange: Exchange) -> None:
+        """A full window drops its older half with the next turn, which moves the prompt's start, and
+        llama-server then shifts the kept turns in its KV cache: over every slot's cells, +250 ms to
+        that turn's first token with the recipe's 5 slots, +420 ms with 9 (benchmarks/bench_history.py).
+        On the session's own slot of a server this process runs, it happens now instead, while the
+        listener hears the reply: the window is trimmed and its prompt sent with one token to write,
+        after any other session's first words in flight, so the next turn's prompt only extends it.
+        Text turns only (an audio turn is summarized once it is no longer the newest, which changes
+        the prompt anyway)."""
+        if (self.slot.id is None or exchange.rounds or not exchange.reply or not isinstance(exchange.user, str)
+                or not self.conversation.make_room()):
+            return
+        body = self.request_body("auto")  # the tools of the next request (no forced call's prefill)
+        body["messages"].append({"role": "assistant", "content": exchange.reply})
+        body.update(max_tokens=1, stream=False)
+        body.pop("stream_options", None)
+        until = time.monotonic() + PREPARE_WAIT_S
+        inference.critical.yield_to(lambda: time.monotonic() < until,
+                                    lambda: self.stale(exchange.turn) or self.ctx.stopping.is_set())
+        try:
+            self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
+        except RemoteError as exc:  # the next turn reads its prompt as it would have: no harm done
+            self.ctx.log.debug("turn %d: the next turn's prompt was not prepared: %s", exchange.turn, exc)
 
     # -- answer -----------------------------------------------------------------------
 
