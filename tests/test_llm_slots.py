@@ -105,45 +105,32 @@ def test_each_session_keeps_a_slot_of_its_own_on_the_server_this_process_started
         b.close()
 
 
-def test_a_conversation_longer_than_its_history_reads_only_its_new_words(llama_server_binary, smollm2_gguf,
-                                                                       tmp_path: Path):
-    """Past llm.max_history_turns the oldest turn leaves the prompt: the prompt then differs from the
-    slot's cache right after the system prompt, and llama-server read the whole history again every
-    turn (seconds on one core) until the recipe's --cache-reuse let it shift the kept turns instead."""
-    port = free_port()
-    root = f"http://127.0.0.1:{port}"
-    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1"])
-    with managed_server(cfg.server, tmp_path):
-        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=3, **GREEDY)
-        questions = ["What is the capital of France?", "How many people live there?", "What is it famous for?",
-                     "What food should I try there?", "Is it expensive?", "Where should I stay?"]
-        read = []
-        for n, question in enumerate(questions, 1):
-            before = _prompt_tokens_read(root)
-            turn(node, question, n)
-            read.append(_prompt_tokens_read(root) - before)
-        node.close()
-    # turns 4-6 each drop the oldest exchange (~40-60 tokens stay behind it); their own new words are ~15
-    assert max(read[3:]) < 30, f"prompt tokens read per turn: {read}"
-
-
-def test_a_full_window_is_trimmed_between_turns_so_no_turn_waits_for_the_cache_to_shift(
+def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_never_waits_for_a_shift(
         llama_server_binary, smollm2_gguf, tmp_path: Path):
-    """Dropping old turns moves the prompt's start, and llama-server shifts the kept turns in its KV
-    cache: over every slot's cells, with every slot's generation waiting. The node trims a full
-    window once its reply is written and sends the trimmed prompt with one token to write: each
-    shift happens in that request, none in a turn's own (seen failing: every shift in a turn's
-    request, when the window was trimmed only as the next turn began)."""
+    """Past llm.max_history_turns older turns leave the prompt: it then differs from the slot's cache
+    right after the system prompt, and llama-server read the whole history again (seconds on one
+    core) until the recipe's --cache-reuse let it shift the kept turns in its KV cache instead. The
+    shift runs over every slot's cells, every slot's generation waiting: the node trims a full window
+    once its reply is written and sends the trimmed prompt with one token to write, so each shift
+    happens in that request, none in a turn's own (seen failing: every shift in a turn's request,
+    when the window was trimmed only as the next turn began)."""
     port = free_port()
     root = f"http://127.0.0.1:{port}"
-    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
+    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1",
+                      "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
     with managed_server(cfg.server, tmp_path):
         node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
         questions = ["What is the capital of France?", "How many people live there?", "What is it famous for?",
                      "What food should I try there?", "Is it expensive?", "Where should I stay?", "When should I go?"]
-        replies = [text_of(turn(node, question, n)) for n, question in enumerate(questions, 1)]
+        read, replies = [], []
+        for n, question in enumerate(questions, 1):
+            before = _prompt_tokens_read(root)
+            replies.append(text_of(turn(node, question, n)))
+            read.append(_prompt_tokens_read(root) - before)
         node.close()
     assert all(replies), replies
+    # turns 5-7 follow a trim (~100 tokens of kept turns behind it); their own new words are ~15
+    assert max(read[4:]) < 30, f"prompt tokens read per turn: {read}"
     log = (tmp_path / "server.log").read_text()
     shifted = set(re.findall(r"task (\d+) \| reusing chunk with size \d+, shifting KV cache", log))
     written = {task: int(n) for task, n in re.findall(r"task (\d+) \|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log)}
