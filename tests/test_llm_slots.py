@@ -14,6 +14,7 @@ import pytest
 
 from nodes.llm.chat import ChatCompletionsLLM
 from s2s_flow.compose import compose
+from s2s_flow.messages import Transcript
 from s2s_flow.model_server import managed_server
 from s2s_flow.model_server_spec import ServerSpec
 from tests.support.remote_llm import llm_node, text_of, turn
@@ -112,8 +113,10 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_nev
     core) until the recipe's --cache-reuse let it shift the kept turns in its KV cache instead. The
     shift runs over every slot's cells, every slot's generation waiting: the node trims a full window
     once its reply is written and sends the trimmed prompt with one token to write, so each shift
-    happens in that request, none in a turn's own (seen failing: every shift in a turn's request,
-    when the window was trimmed only as the next turn began)."""
+    happens in that request, none in a turn's own, also after a turn answered on its speculative
+    transcript (seen failing: every shift in a turn's request, when the window was trimmed only as
+    the next turn began; the speculative turn's, when the node went by its own record of the turn,
+    which the confirming transcript updates only after the reply)."""
     port = free_port()
     root = f"http://127.0.0.1:{port}"
     cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1",
@@ -125,7 +128,16 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_nev
         read, replies = [], []
         for n, question in enumerate(questions, 1):
             before = _prompt_tokens_read(root)
-            replies.append(text_of(turn(node, question, n)))
+            if n == 4:  # answered on its speculative transcript, confirmed by the VAD while the reply
+                # is written, its confirming transcript reaching the node after it (vad.speculate_ms)
+                node.ctx.work.speculate(n)
+                reply = node.process("text", Transcript(turn=n, text=question, speculative=True))
+                deltas = [next(reply)]
+                node.ctx.work.confirm(n)
+                replies.append(text_of([*deltas, *reply]))
+                assert not list(node.process("text", Transcript(turn=n, text=question)))
+            else:
+                replies.append(text_of(turn(node, question, n)))
             read.append(_prompt_tokens_read(root) - before)
         node.close()
     assert all(replies), replies
