@@ -25,6 +25,7 @@ import pytest
 from s2s_flow.cli import describe, plan
 from s2s_flow.compose import compose
 from s2s_flow.errors import ConfigError
+from tests.support.realtime import SERVER_ARGS
 from tests.support.recording_proxy import recording_proxy
 from tests.support.servers import running_llama_server
 from tests.support.speech import synthesize
@@ -43,12 +44,7 @@ STORY = "Tell me a long story about a dragon who learns to cook."
 
 
 def _compose(base_url: str | None, *extra: str):
-    # admitted by count only: these sessions test the protocol on a machine others load too (admission
-    # by load: tests/test_realtime_admission.py). Greedy replies: the recipe samples (temperature 0.2,
-    # no seed), and a sampled answer to STORY once came out 9 tokens long, done before a test could
-    # interrupt it; a test's extra arguments come later and win.
-    args = ["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=32", "io.target_ms=null",
-            "llm.temperature=0", "llm.seed=1", *extra]
+    args = [*SERVER_ARGS, "llm.max_tokens=32", *extra]
     if base_url:
         args.append(f"llm.base_url={base_url}")
     return compose(args)
