@@ -8,7 +8,12 @@ times; the clients start ``--stagger-s`` apart. Voice-to-voice is the client's: 
 audio received minus the question's true end of speech (a response the user talked over, a false
 end, is not counted; its audio is ignored). A reply is played as it arrives: where the listener
 has heard all it got and the next audio is more than 50 ms late, that is a gap (counted per
-reply, with the longest): a reply written and spoken just in time must not stutter.
+reply, with the longest): a reply written and spoken just in time must not stutter. A reply is "no
+reply" (an error, and that client's conversation ends) when nothing of it came for
+``--reply-timeout-s``: before its first audio counted from the question's end, after it from the
+reply's last event, so a long reply spoken steadily is never one. ``conversations.json`` keeps
+every reply (``replies``: client, turn, response id, voice-to-voice, audio seconds, when
+``response.done`` came after the question's end, gaps), and what a "no reply" had got so far.
 
 Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never
 came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
@@ -150,19 +155,43 @@ class Listener:
         self.audio_bytes = 0
         self.played_until = 0.0  # when the audio received so far will have been heard
         self.gap_s = 0.0  # the reply's gaps, in all
+        self.last = 0.0  # the turn's last event (audio or other) after the question's end
+        self.done_at: float | None = None
+        self.response_id: str | None = None
         self.done = asyncio.Event()
         self.errors: list[str] = []
 
     def expect(self, after: float) -> None:
         self.after, self.first, self.audio_bytes, self.gap_s = after, None, 0, 0.0
+        self.last, self.done_at, self.response_id = after, None, None
         self.done.clear()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until the reply is done; False when nothing of it came for ``timeout_s`` (from the
+        question's end before its first audio, then from its last event)."""
+        while not self.done.is_set():
+            left = max(self.after, self.last) + timeout_s - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.done.wait(), left)
+        return True
+
+    def record(self) -> dict[str, Any]:
+        """This turn's reply as the client saw it (ms from the question's end)."""
+        def since(t: float | None) -> float | None:
+            return None if t is None else round((t - self.after) * 1000, 1)
+
+        return {"response_id": self.response_id, "v2v_ms": since(self.first),
+                "audio_s": round(self.audio_bytes / 2 / RATE, 2), "done_ms": since(self.done_at),
+                "last_event_ms": since(self.last), "gap_ms": round(self.gap_s * 1000, 1)}
 
     async def run(self, ws: Any) -> None:
         async for text in ws:
             now = time.monotonic()
             if '"response.output_audio.delta"' in text[:200]:
                 if now >= self.after:
-                    self.first = self.first or now
+                    self.first, self.last = self.first or now, now
                     size = len(base64.b64decode(json.loads(text)["delta"]))
                     self.audio_bytes += size
                     if self.audio_bytes == size:
@@ -172,10 +201,13 @@ class Listener:
                     self.played_until = max(self.played_until, now) + size / 2 / RATE
                 continue
             event = json.loads(text)
+            if now >= self.after:
+                self.last = now
             if event["type"] == "error":
                 self.errors.append(event["error"].get("code") or "error")
             elif (event["type"] == "response.done" and now >= self.after and self.first is not None
                   and event["response"].get("status") == "completed"):
+                self.done_at, self.response_id = now, event["response"].get("id")
                 self.done.set()
 
 
@@ -186,7 +218,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
     from websockets.asyncio.client import connect
 
     await asyncio.sleep(k * args.stagger_s)
-    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": [], "gap_ms": []}
+    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": [], "gap_ms": [], "replies": []}
     try:
         ws = await connect(f"{url}/realtime", max_size=None)
     except Exception as exc:
@@ -209,9 +241,10 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
                 t_end, spoken = mic.say(pcm, end)
                 listener.expect(t_end)
                 await spoken
-                try:
-                    await asyncio.wait_for(listener.done.wait(), args.reply_timeout_s)
-                except TimeoutError:
+                answered = await listener.wait(args.reply_timeout_s)
+                out["replies"].append({"client": k, "turn": j + 1, **listener.record(),
+                                       **({} if answered else {"error": "no reply"})})
+                if not answered:
                     out["errors"].append("no reply")
                     break
                 out["v2v"].append((listener.first - t_end) * 1000)
@@ -232,7 +265,8 @@ async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], 
     results = await asyncio.gather(*(conversation(url, k, said, args, k + round_ * n) for k in range(n)))
     return {"v2v": [v for r in results for v in r["v2v"]], "errors": [e for r in results for e in r["errors"]],
             "refused": sum(r["refused"] for r in results), "reply_s": [v for r in results for v in r["reply_s"]],
-            "gap_ms": [v for r in results for v in r["gap_ms"]]}
+            "gap_ms": [v for r in results for v in r["gap_ms"]],
+            "replies": [v for r in results for v in r["replies"]]}
 
 
 # -- the server of one tree ------------------------------------------------------------------------
@@ -359,6 +393,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
             print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
             rows[n]["v2v_ms"] = [round(v, 1) for v in got["v2v"]]  # each turn's, to pool runs by
+            rows[n]["replies"] = got["replies"]
     finally:
         server.stop()
     return rows
@@ -406,7 +441,9 @@ def main(argv: list[str]) -> None:
                          "conversation's p95 over 32 turns, as 4 conversations' over 4 x 8, not the max of 8)")
     ap.add_argument("--stagger-s", type=float, default=3.0, help="between the clients' starts")
     ap.add_argument("--think-s", type=float, default=1.0, help="after listening to a reply")
-    ap.add_argument("--reply-timeout-s", type=float, default=30.0, help="a reply not done by then is an error")
+    ap.add_argument("--reply-timeout-s", type=float, default=30.0,
+                    help="a reply of which nothing came for this long (from the question's end, then from its "
+                         "last event) is an error, 'no reply'")
     ap.add_argument("--seed", type=int, default=1,
                     help="llm.seed for every tree's LLM: the same replies to the same questions (-1: unseeded)")
     ap.add_argument("--load-admission", action="store_true",
