@@ -155,7 +155,7 @@ def test_a_server_that_dies_during_a_tool_call_speaks_the_fallback_and_the_next_
                     "-np", "1", "--jinja", "--chat-template-file", str(tools.TOOL_TEMPLATE_PATH)],
         "model": str(smollm2_gguf), "ready_url": f"http://127.0.0.1:{port}/health",
         "max_restarts": 3, "health_interval_s": 0.2, "restart_backoff_s": 1.0})
-    cfg, choices = _compose(f"http://127.0.0.1:{port}/v1", "llm.max_retries=0", "llm.temperature=0", "llm.seed=1",
+    cfg, choices = _compose(f"http://127.0.0.1:{port}/v1", "llm.max_retries=0",
                             "llm.max_tokens=60", "llm.tools=[tests.support.tools:weather_on_a_dying_server]",
                             "llm.tool_choice=required", "llm.max_tool_rounds=1",
                             *([f"llm.tool_filler='{filler}'", "llm.tool_filler_after_s=0.1"] if filler else []))

@@ -442,7 +442,7 @@ def test_a_named_tool_choice_calls_that_tool_through_llama_server(tool_llama, tm
     from s2s_flow.cli import plan
 
     with recording_proxy(tool_llama) as recording:
-        cfg, choices = _compose(recording.url, "llm.temperature=0", "llm.seed=1", "llm.max_tokens=60")
+        cfg, choices = _compose(recording.url, "llm.max_tokens=60")
 
         def make_graph():
             graph = plan(cfg, choices)
