@@ -11,8 +11,9 @@ and every slot's generation waits for it. Per ``--slots`` value the recipe's own
 of up to 60 tokens; per window: the first-token ms of every turn, and the median of the turns whose
 window was trimmed against the others. Three windows: sliding (the oldest turn leaves with each new
 one), older half (a full window drops its older half as the next turn begins), and older half,
-prepared (what llm=chat does on its own slot: the window is trimmed once a reply is written and the
-trimmed prompt sent with one token to write, so the next turn's prompt only extends it).
+prepared (what llm=chat does on its own slot: the window is trimmed before the next turn, when the
+user speaks again, and the trimmed prompt sent with one token to write, so the next turn's prompt only
+extends it).
 
 Figures depend on the machine and its load: the CPU model is printed with them.
 """

@@ -28,7 +28,9 @@ def test_the_default_chain_is_wired_by_port_types_with_taps_into_the_sink():
                         "llm.text -> sink.agent",
                         # STT's optional input for the utterance while it grows: wired by type, it
                         # carries nothing unless stt.stream_ms > 0
-                        "vad.growing -> stt.growing"}
+                        "vad.growing -> stt.growing",
+                        # the LLM hears that the user speaks again (a full history's trim, sent then)
+                        "vad.started -> llm.started"}
     assert g.nodes["llm"].label == "llm=chat"
 
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from nodes.llm.chat import ChatCompletionsLLM
+from s2s_flow import inference
 from s2s_flow.compose import compose
-from s2s_flow.messages import Transcript
+from s2s_flow.messages import SpeechStarted, Transcript
 from s2s_flow.model_server import managed_server
 from s2s_flow.model_server_spec import ServerSpec
 from tests.support.remote_llm import llm_node, text_of, turn
@@ -149,6 +151,73 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_nev
     # the window of 4 is full after turns 4 and 6: two prepared prompts, each with one shift
     assert len(shifted) == 2, f"requests that shifted the cache: {sorted(shifted)}"
     assert all(written.get(task) == 1 for task in shifted), f"tokens written by the requests that shifted: {written}"
+
+
+def _shifts(log: str) -> tuple[list[str], dict[str, int]]:
+    """The server log's requests that shifted the KV cache, in order, and each request's tokens written."""
+    shifted = list(dict.fromkeys(re.findall(r"task (\d+) \| reusing chunk with size \d+, shifting KV cache", log)))
+    written = {task: int(n) for task, n in re.findall(r"task (\d+) \|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log)}
+    return shifted, written
+
+
+QUESTIONS = ["What is the capital of France?", "How many people live there?", "What is it famous for?",
+             "What food should I try there?", "Is it expensive?", "Where should I stay?"]
+
+
+def test_with_a_vad_the_trimmed_prompt_is_sent_when_the_user_speaks_again_and_a_call_that_ends_never_shifts(
+        llama_server_binary, smollm2_gguf, tmp_path: Path):
+    """With the VAD's SpeechStarted wired to the LLM (every graph with a VAD), a full window's trim waits
+    for the user's next words: the shift runs in a one-token request while the question is spoken,
+    not in the turn's own request, and a conversation that ends right after a full window's reply
+    (here: the window of 4 is full after turns 4 and 6, and the call ends after turn 6) never shifts.
+    Seen failing with the trim sent as the reply is written: two shifts, the second one for nobody."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1",
+                      "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
+    with managed_server(cfg.server, tmp_path):
+        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
+        node.ctx.inputs_connected = frozenset({"text", "started"})
+        read = []
+        for n, question in enumerate(QUESTIONS, 1):
+            assert not list(node.process("started", SpeechStarted(turn=n)))
+            if node._preparing is not None:
+                node._preparing.join(60)  # the user speaks for seconds: the prepare is done before the words
+            before = _prompt_tokens_read(root)
+            assert text_of(turn(node, question, n))
+            read.append(_prompt_tokens_read(root) - before)
+        time.sleep(1.0)  # a prepare sent after the last reply would be in the log by now
+        node.close()
+    assert max(read[4:]) < 30, f"prompt tokens read per turn: {read}"  # turn 5 follows the trim
+    shifted, written = _shifts((tmp_path / "server.log").read_text())
+    assert len(shifted) == 1, f"requests that shifted the cache: {shifted}"
+    assert written.get(shifted[0]) == 1, f"tokens written by the request that shifted: {written}"
+
+
+def test_a_turn_that_comes_while_its_prompt_waits_to_be_prepared_shifts_the_cache_itself(
+        llama_server_binary, smollm2_gguf, tmp_path: Path):
+    """The prepare waits (up to PREPARE_WAIT_S) for other sessions' first words on the machine's critical
+    path; a question shorter than that wait makes its request first: the waiting prepare is dropped,
+    never sent after the turn's own request (it would shift a cache the request already shifted), and
+    the turn is answered with the shift in its own request."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
+    with managed_server(cfg.server, tmp_path):
+        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
+        node.ctx.inputs_connected = frozenset({"text", "started"})
+        for n, question in enumerate(QUESTIONS[:4], 1):
+            assert text_of(turn(node, question, n))
+        with inference.critical.holding():  # another session's first words are in flight
+            assert not list(node.process("started", SpeechStarted(turn=5)))
+            assert node._preparing is not None and node._preparing.is_alive()  # waiting for them
+            assert text_of(turn(node, QUESTIONS[4], 5))
+        node._preparing.join(10)
+        time.sleep(1.0)  # a prepare sent late would be in the log by now
+        node.close()
+    shifted, written = _shifts((tmp_path / "server.log").read_text())
+    assert len(shifted) == 1, f"requests that shifted the cache: {shifted}"
+    assert written.get(shifted[0], 0) > 1, f"the shift was not in the turn's own request: {written}"
 
 
 def test_a_server_this_process_did_not_start_places_requests_itself(llama_server_binary, smollm2_gguf, tmp_path):

@@ -96,6 +96,10 @@ class Conversation:
             self.unconfirmed.add(turn)
         return exchange
 
+    def full(self) -> bool:
+        """The window holds ``max_turns`` exchanges: the next turn drops the older half."""
+        return len(self.exchanges) >= self.max_turns
+
     def make_room(self) -> bool:
         """Drop the older half of a full window now, as the next ``add_user`` would (so a server's
         cache can move between turns, not in the next turn's request); True if it did."""

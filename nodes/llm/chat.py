@@ -7,6 +7,7 @@ audio-capable models (llama-server with an audio ``--mmproj``, vLLM, OpenAI audi
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from nodes.llm._tools import named_tool
 from s2s_flow import inference
 from s2s_flow.audio import wav_bytes
 from s2s_flow.errors import ConfigError
-from s2s_flow.messages import Message, Speech, TextDelta, Transcript
+from s2s_flow.messages import Message, Speech, SpeechStarted, TextDelta, Transcript
 
 AUDIO_CONTENT_TYPES = ("input_audio", "audio_url")
 AUDIO_PLACEHOLDER = "[user audio]"
@@ -40,8 +41,9 @@ class AudioTurn:
 class ChatCompletionsLLM(RemoteLLM):
     """``POST {base_url}/chat/completions`` with SSE streaming; text or audio user turns."""
 
-    inputs = {"text": Transcript, "audio": Speech}
-    optional_inputs = frozenset({"text", "audio"})
+    inputs = {"text": Transcript, "audio": Speech, "started": SpeechStarted}
+    optional_inputs = frozenset({"text", "audio", "started"})
+    taps = frozenset({"started"})  # the VAD's: the user speaks again (after_reply)
     outputs = {"text": TextDelta}
 
     path = "/chat/completions"
@@ -84,6 +86,13 @@ class ChatCompletionsLLM(RemoteLLM):
                                                  policy=policy))
         self._scoring: Any = None  # the thread the scores are made on
         self._scored: Any = None  # the last score's future
+        # after_reply: the prompt prepared once the user speaks again, on a connection of its own
+        self._preparer = RemoteClient(group="llm", base_url=str(options.get("base_url", DEFAULT_BASE_URL)),
+                                      api_key=options.get("api_key"), policy=policy)
+        self._preparer_open = False
+        self._prepare_after: int | None = None  # the turn whose trimmed prompt waits for the user's next words
+        self._preparing: threading.Thread | None = None
+        self._asked = threading.Event()  # the next turn's request is made: a prepare not sent yet is dropped
 
     def setup(self) -> None:
         super().setup()
@@ -92,6 +101,11 @@ class ChatCompletionsLLM(RemoteLLM):
         self._scorer.slot = scorer_slot(self.client.base_url)
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
+        if isinstance(msg, SpeechStarted):
+            self._prepare_when_spoken()
+            return
+        self._asked.set()
+        self._prepare_after = None  # a turn without the VAD's word first (typed): its request trims
         if isinstance(msg, Transcript) and msg.speculative and msg.final:
             self._score_end_of_turn(msg)  # beside the reply, on a connection (and a server slot) of its own
         yield from super().process(port, msg)
@@ -139,6 +153,8 @@ class ChatCompletionsLLM(RemoteLLM):
 
     def close(self) -> None:
         super().close()
+        self._asked.set()
+        self._preparer.close()  # a prepare in flight returns at once (the server still shifts)
         if self._scoring is not None:
             self._scoring.shutdown(wait=True, cancel_futures=True)
             self._scorer.client.close()
@@ -200,25 +216,56 @@ class ChatCompletionsLLM(RemoteLLM):
         """A full window drops its older half with the next turn, which moves the prompt's start, and
         llama-server then shifts the kept turns in its KV cache: over every slot's cells, +250 ms to
         that turn's first token with the recipe's 5 slots, +420 ms with 9 (benchmarks/bench_history.py).
-        On the session's own slot of a server this process runs, it happens now instead, while the
-        listener hears the reply: the window is trimmed and its prompt sent with one token to write,
-        after any other session's first words in flight, so the next turn's prompt only extends it.
-        Text turns only (an audio turn is summarized once it is no longer the newest, which changes
-        the prompt anyway)."""
+        On the session's own slot of a server this process runs, it happens before that turn instead:
+        the window is trimmed and its prompt sent with one token to write, after any other session's
+        first words in flight, so the next turn's prompt only extends it. With a VAD in the graph that
+        is when the user speaks again (its ``SpeechStarted``): a question takes seconds, time enough
+        for the shift, and a call that ends after this reply never pays for it; without one, now,
+        while the listener hears the reply. Text turns only (an audio turn is summarized once it is
+        no longer the newest, which changes the prompt anyway)."""
         if (self.slot.id is None or exchange.rounds or not exchange.reply or not isinstance(exchange.user, str)
+                or not self.conversation.full()):
+            return
+        self._prepare_after = exchange.turn
+        if "started" not in self.ctx.inputs_connected:
+            self._prepare_when_spoken(background=False)
+
+    def _prepare_when_spoken(self, background: bool = True) -> None:
+        """Trim the window and send its prompt; while the user speaks, on a thread of its own, which
+        the next turn's request never waits for: once that request is made (``_asked``) a prepare not
+        sent yet is dropped (the request shifts the cache itself), and one in flight is simply ahead
+        of it on the server's slot."""
+        turn, self._prepare_after = self._prepare_after, None
+        if (turn is None or self.stale(turn) or (self._preparing is not None and self._preparing.is_alive())
                 or not self.conversation.make_room()):
             return
         body = self.request_body("auto")  # the tools of the next request (no forced call's prefill)
-        body["messages"].append({"role": "assistant", "content": exchange.reply})
+        body["messages"].append({"role": "assistant", "content": self.conversation.exchanges[-1].reply})
         body.update(max_tokens=1, stream=False)
         body.pop("stream_options", None)
+        if not self._preparer_open:  # the session's first prepare: its connection
+            self._preparer.log = self.ctx.log
+            self._preparer.open(warm_up=False)
+            self._preparer_open = True
+        self._asked.clear()
+        if not background:
+            self._prepare(turn, body)
+            return
+        self._preparing = threading.Thread(target=self._prepare, args=(turn, body), daemon=True,
+                                           name=f"{self.ctx.name}-prepare")
+        self._preparing.start()
+
+    def _prepare(self, turn: int, body: dict[str, Any]) -> None:
         until = time.monotonic() + PREPARE_WAIT_S
-        inference.critical.yield_to(lambda: time.monotonic() < until,
-                                    lambda: self.stale(exchange.turn) or self.ctx.stopping.is_set())
+        dropped = lambda: self._asked.is_set() or self.ctx.stopping.is_set()  # noqa: E731
+        inference.critical.yield_to(lambda: time.monotonic() < until, dropped)
+        if dropped():
+            self.ctx.log.debug("turn %d: the next turn came before its prompt was prepared", turn)
+            return
         try:
-            self.client.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
+            self._preparer.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
         except RemoteError as exc:  # the next turn reads its prompt as it would have: no harm done
-            self.ctx.log.debug("turn %d: the next turn's prompt was not prepared: %s", exchange.turn, exc)
+            self.ctx.log.debug("turn %d: the next turn's prompt was not prepared: %s", turn, exc)
 
     # -- answer -----------------------------------------------------------------------
 
