@@ -23,8 +23,10 @@ Python process's by stage (``s2s_stage_cpu_seconds_total`` from ``/metrics``: ea
 ``native`` for an engine's own threads such as CTranslate2's that run Whisper, ``other`` for the
 event loop and the rest; s2s_flow/cpu.py). Then the
 largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms``
-per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 100-200 ms from run to run,
-so compare trees over several runs pooled (alternating which tree goes first). ``--min-turns T``
+per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run
+(the table gives each p95's 90 % interval, a bootstrap over its turns), so compare trees over
+several runs pooled, alternating which tree goes first (``--pool A/conversations.json B/...``
+prints the pooled figures). ``--min-turns T``
 repeats each N with fresh conversations (other questions) until it has T turns: one conversation's
 p95 of 8 turns is their slowest but one, a ratio against 4 conversations' p95 of 32 turns is then
 mostly the noise of the one-conversation figure.
@@ -64,7 +66,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._stats import percentile_interval
+
 ROOT = Path(__file__).resolve().parents[1]
+
 RATE = 24000  # the protocol's default PCM rate, both ways
 STEP = RATE // 50  # 20 ms per append
 GAP_S = 0.05  # a reply's audio this late after the listener has heard all it got is a gap
@@ -86,6 +91,12 @@ def pct(values: list[float], q: int) -> float | None:
     if len(values) == 1 or q == 50:
         return round(median(values), 1)
     return round(quantiles(values, n=100, method="inclusive")[q - 1], 1)
+
+
+def interval(values: list[float]) -> list[float] | None:
+    """Where the p95 of these turns lies, 9 times in 10 (benchmarks/_stats.py): how far two runs' p95 may
+    differ with nothing changed."""
+    return [round(v, 1) for v in percentile_interval(values, 95)] if values else None
 
 
 def questions() -> list[tuple[np.ndarray, float]]:
@@ -381,7 +392,8 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                 rounds += 1
             after, cpu1 = scrape(server.port), server.cpu_s()
             turns = max(1, len(got["v2v"]))
-            rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "turns": len(got["v2v"]),
+            rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "p95_interval": interval(got["v2v"]),
+                       "turns": len(got["v2v"]),
                        "rounds": rounds,
                        "errors": len(got["errors"]) + got["refused"], "refused": got["refused"],
                        "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
@@ -423,6 +435,11 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                 lines.append(f"- {t}, {n} conversation(s): the server's CPU s/turn by stage: "
                              + ", ".join(f"{k} {v}" for k, v in stages.items()))
     for t in trees:
+        for n in ns:
+            if (span := results[t][n].get("p95_interval")) is not None:
+                lines.append(f"- {t}, {n} conversation(s): p95 {results[t][n]['p95']} ms, 90 % interval "
+                             f"{span[0]}-{span[1]} (a bootstrap over its {results[t][n]['turns']} turns)")
+    for t in trees:
         ok = [n for n in ns if results[t][n]["p95"] is not None and results[t][n]["p95"] < 1000
               and not results[t][n]["errors"]]
         lines.append(f"- {t}: largest N with p95 < 1 s and no errors: {max(ok) if ok else 'none'}")
@@ -449,8 +466,14 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--load-admission", action="store_true",
                     help="keep the server's admission by load (io.target_ms); default: by count only")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-conversations-")))
+    ap.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
+                    help="run nothing: pool the turns of these runs' conversations.json per tree and N (the "
+                         "N given), and print their p50 / p95 with the p95's 90 %% interval")
     ap.add_argument("overrides", nargs="*", help="s2s-run overrides for every tree's server")
     args = ap.parse_args(argv)
+    if args.pool:
+        print(pooled(args.pool, sorted({int(a) for a in args.conversations if "=" not in a})))
+        return
     # overrides may follow the lists: key=value words are overrides, the rest numbers or trees
     args.overrides += [a for a in args.conversations + args.server_tree if "=" in a]
     if args.seed >= 0 and not any(o.startswith("llm.seed=") for o in args.overrides):
@@ -470,6 +493,29 @@ def main(argv: list[str]) -> None:
     print(f"\n{report['cpu']}, {args.turns} turns per conversation, starts {args.stagger_s:g} s apart "
           f"(results: {args.out})\n")
     print(table(results, ns))
+
+
+def pooled(paths: list[Path], ns: list[int]) -> str:
+    """Several runs' turns, per tree (by name) and N, as one table: p50 / p95 and the p95's interval."""
+    turns: dict[str, dict[int, list[float]]] = {}
+    runs: dict[str, int] = {}
+    cpus = set()
+    for path in paths:
+        report = json.loads(path.read_text())
+        cpus.add(report.get("cpu", "?"))
+        for tree, rows in report["trees"].items():
+            runs[tree] = runs.get(tree, 0) + 1
+            for n in ns:
+                turns.setdefault(tree, {}).setdefault(n, []).extend((rows.get(str(n)) or {}).get("v2v_ms", []))
+    lines = [f"{len(paths)} run(s) on {', '.join(sorted(cpus))}", "",
+             "| tree (runs) | conversations | turns | v2v p50 / p95 ms | p95 90 % interval |", "|---|--:|--:|--:|--:|"]
+    for tree, by_n in turns.items():
+        for n, v in by_n.items():
+            if v:
+                span = interval(v)
+                lines.append(f"| {tree} ({runs[tree]}) | {n} | {len(v)} | {pct(v, 50)} / {pct(v, 95)} | "
+                             f"{span[0]}-{span[1]} |")
+    return "\n".join(lines)
 
 
 def _cpu_model() -> str:
