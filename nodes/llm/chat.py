@@ -91,6 +91,7 @@ class ChatCompletionsLLM(RemoteLLM):
                                       api_key=options.get("api_key"), policy=policy)
         self._preparer_open = False
         self._prepare_after: int | None = None  # the turn whose trimmed prompt waits for the user's next words
+        self._prepared_turn = -(2**62)  # the last turn whose reply's trim was pending or sent
         self._preparing: threading.Thread | None = None
         self._asked = threading.Event()  # the next turn's request is made: a prepare not sent yet is dropped
 
@@ -104,8 +105,9 @@ class ChatCompletionsLLM(RemoteLLM):
         if isinstance(msg, SpeechStarted):
             self._prepare_when_spoken()
             return
-        self._asked.set()
-        self._prepare_after = None  # a turn without the VAD's word first (typed): its request trims
+        if msg.turn > self._prepared_turn:  # a new turn (not the confirmation of the one answered)
+            self._asked.set()
+            self._prepare_after = None  # one the VAD did not announce (typed): its request trims
         if isinstance(msg, Transcript) and msg.speculative and msg.final:
             self._score_end_of_turn(msg)  # beside the reply, on a connection (and a server slot) of its own
         yield from super().process(port, msg)
@@ -226,7 +228,7 @@ class ChatCompletionsLLM(RemoteLLM):
         if (self.slot.id is None or exchange.rounds or not exchange.reply or not isinstance(exchange.user, str)
                 or not self.conversation.full()):
             return
-        self._prepare_after = exchange.turn
+        self._prepare_after = self._prepared_turn = exchange.turn
         if "started" not in self.ctx.inputs_connected:
             self._prepare_when_spoken(background=False)
 
@@ -236,7 +238,7 @@ class ChatCompletionsLLM(RemoteLLM):
         sent yet is dropped (the request shifts the cache itself), and one in flight is simply ahead
         of it on the server's slot."""
         turn, self._prepare_after = self._prepare_after, None
-        if (turn is None or self.stale(turn) or (self._preparing is not None and self._preparing.is_alive())
+        if (turn is None or (self._preparing is not None and self._preparing.is_alive())
                 or not self.conversation.make_room()):
             return
         body = self.request_body("auto")  # the tools of the next request (no forced call's prefill)
