@@ -108,13 +108,21 @@ def test_each_session_keeps_a_slot_of_its_own_on_the_server_this_process_started
         b.close()
 
 
+def _shifts(log: str) -> tuple[list[str], dict[str, int]]:
+    """The server log's requests that shifted the KV cache, in order, and each request's tokens written."""
+    shifted = list(dict.fromkeys(re.findall(r"task (\d+) \| reusing chunk with size \d+, shifting KV cache", log)))
+    written = {task: int(n) for task, n in re.findall(r"task (\d+) \|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log)}
+    return shifted, written
+
+
 def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_never_waits_for_a_shift(
         llama_server_binary, smollm2_gguf, tmp_path: Path):
     """Past llm.max_history_turns older turns leave the prompt: it then differs from the slot's cache
     right after the system prompt, and llama-server read the whole history again (seconds on one
     core) until the recipe's --cache-reuse let it shift the kept turns in its KV cache instead. The
-    shift runs over every slot's cells, every slot's generation waiting: the node trims a full window
-    once its reply is written and sends the trimmed prompt with one token to write, so each shift
+    shift runs over every slot's cells, every slot's generation waiting: in a graph without a VAD (its
+    ``started`` input not wired, as here) the node trims a full window once its reply is written and
+    sends the trimmed prompt with one token to write, so each shift
     happens in that request, none in a turn's own, also after a turn answered on its speculative
     transcript (seen failing: every shift in a turn's request, when the window was trimmed only as
     the next turn began; the speculative turn's, when the node went by its own record of the turn,
@@ -145,19 +153,10 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_nev
     assert all(replies), replies
     # turns 5-7 follow a trim (~100 tokens of kept turns behind it); their own new words are ~15
     assert max(read[4:]) < 30, f"prompt tokens read per turn: {read}"
-    log = (tmp_path / "server.log").read_text()
-    shifted = set(re.findall(r"task (\d+) \| reusing chunk with size \d+, shifting KV cache", log))
-    written = {task: int(n) for task, n in re.findall(r"task (\d+) \|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log)}
+    shifted, written = _shifts((tmp_path / "server.log").read_text())
     # the window of 4 is full after turns 4 and 6: two prepared prompts, each with one shift
     assert len(shifted) == 2, f"requests that shifted the cache: {sorted(shifted)}"
     assert all(written.get(task) == 1 for task in shifted), f"tokens written by the requests that shifted: {written}"
-
-
-def _shifts(log: str) -> tuple[list[str], dict[str, int]]:
-    """The server log's requests that shifted the KV cache, in order, and each request's tokens written."""
-    shifted = list(dict.fromkeys(re.findall(r"task (\d+) \| reusing chunk with size \d+, shifting KV cache", log)))
-    written = {task: int(n) for task, n in re.findall(r"task (\d+) \|\s+eval time =\s+[\d.]+ ms /\s+(\d+) tokens", log)}
-    return shifted, written
 
 
 QUESTIONS = ["What is the capital of France?", "How many people live there?", "What is it famous for?",

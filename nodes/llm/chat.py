@@ -266,7 +266,9 @@ class ChatCompletionsLLM(RemoteLLM):
             return
         try:
             self._preparer.post_json(self.path, body, api=self.api_name, hint_404=self.hint_404)
-        except RemoteError as exc:  # the next turn reads its prompt as it would have: no harm done
+        # the next turn reads its prompt as it would have: no harm done. RuntimeError: the session
+        # closed the connection as this was sent (httpx: "the client has been closed")
+        except (RemoteError, RuntimeError) as exc:
             self.ctx.log.debug("turn %d: the next turn's prompt was not prepared: %s", turn, exc)
 
     # -- answer -----------------------------------------------------------------------
