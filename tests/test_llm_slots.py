@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -115,6 +117,25 @@ def _shifts(log: str) -> tuple[list[str], dict[str, int]]:
     return shifted, written
 
 
+@contextmanager
+def history_of_four(tmp_path: Path, *, vad: bool) -> Iterator[tuple[str, ChatCompletionsLLM]]:
+    """recipe=local_cpu's llama-server (its metrics, and a log that shows each shift) and one session's
+    LLM node on it with a window of 4 turns; ``vad``: its ``started`` input wired, as in every graph
+    with a VAD. Yields the server's root URL and the node, closed on the way out."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1",
+                      "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
+    with managed_server(cfg.server, tmp_path):
+        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
+        if vad:
+            node.ctx.inputs_connected = frozenset({"text", "started"})
+        try:
+            yield root, node
+        finally:
+            node.close()
+
+
 def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_never_waits_for_a_shift(
         llama_server_binary, smollm2_gguf, tmp_path: Path):
     """Past llm.max_history_turns older turns leave the prompt: it then differs from the slot's cache
@@ -127,12 +148,7 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_nev
     transcript (seen failing: every shift in a turn's request, when the window was trimmed only as
     the next turn began; the speculative turn's, when the node went by its own record of the turn,
     which the confirming transcript updates only after the reply)."""
-    port = free_port()
-    root = f"http://127.0.0.1:{port}"
-    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1",
-                      "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
-    with managed_server(cfg.server, tmp_path):
-        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
+    with history_of_four(tmp_path, vad=False) as (root, node):
         questions = ["What is the capital of France?", "How many people live there?", "What is it famous for?",
                      "What food should I try there?", "Is it expensive?", "Where should I stay?", "When should I go?"]
         read, replies = [], []
@@ -149,7 +165,6 @@ def test_a_conversation_longer_than_its_history_reads_only_its_new_words_and_nev
             else:
                 replies.append(text_of(turn(node, question, n)))
             read.append(_prompt_tokens_read(root) - before)
-        node.close()
     assert all(replies), replies
     # turns 5-7 follow a trim (~100 tokens of kept turns behind it); their own new words are ~15
     assert max(read[4:]) < 30, f"prompt tokens read per turn: {read}"
@@ -171,13 +186,7 @@ def test_with_a_vad_the_trimmed_prompt_is_sent_when_the_user_speaks_again_and_a_
     (here: the window of 4 is full after turns 4 and 6, and the call ends after turn 6) never shifts.
     Seen failing with the trim sent as the reply is written: two shifts, the second one for nobody.
     A barge-in's interrupt at the user's speech start does not stop it (the kept turns are the same)."""
-    port = free_port()
-    root = f"http://127.0.0.1:{port}"
-    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_ENDPOINT_METRICS=1",
-                      "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
-    with managed_server(cfg.server, tmp_path):
-        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
-        node.ctx.inputs_connected = frozenset({"text", "started"})
+    with history_of_four(tmp_path, vad=True) as (root, node):
         read = []
         for n, question in enumerate(QUESTIONS, 1):
             if n == 5:
@@ -199,7 +208,6 @@ def test_with_a_vad_the_trimmed_prompt_is_sent_when_the_user_speaks_again_and_a_
                 assert text_of(turn(node, question, n))
             read.append(_prompt_tokens_read(root) - before)
         time.sleep(1.0)  # a prepare sent after the last reply would be in the log by now
-        node.close()
     assert max(read[4:]) < 30, f"prompt tokens read per turn: {read}"  # turn 5 follows the trim
     shifted, written = _shifts((tmp_path / "server.log").read_text())
     assert len(shifted) == 1, f"requests that shifted the cache: {shifted}"
@@ -212,12 +220,7 @@ def test_a_turn_that_comes_while_its_prompt_waits_to_be_prepared_shifts_the_cach
     path; a question shorter than that wait makes its request first: the waiting prepare is dropped,
     never sent after the turn's own request (it would shift a cache the request already shifted), and
     the turn is answered with the shift in its own request."""
-    port = free_port()
-    root = f"http://127.0.0.1:{port}"
-    cfg, _ = compose(["recipe=local_cpu", f"llm.base_url={root}/v1", "+server.env.LLAMA_ARG_LOG_VERBOSITY=4"])
-    with managed_server(cfg.server, tmp_path):
-        node = llm_node(ChatCompletionsLLM, f"{root}/v1", tmp_path / "a", max_history_turns=4, **GREEDY)
-        node.ctx.inputs_connected = frozenset({"text", "started"})
+    with history_of_four(tmp_path, vad=True) as (_, node):
         for n, question in enumerate(QUESTIONS[:4], 1):
             assert text_of(turn(node, question, n))
         with inference.critical.holding():  # another session's first words are in flight
@@ -226,7 +229,6 @@ def test_a_turn_that_comes_while_its_prompt_waits_to_be_prepared_shifts_the_cach
             assert text_of(turn(node, QUESTIONS[4], 5))
         node._preparing.join(10)
         time.sleep(1.0)  # a prepare sent late would be in the log by now
-        node.close()
     shifted, written = _shifts((tmp_path / "server.log").read_text())
     assert len(shifted) == 1, f"requests that shifted the cache: {shifted}"
     assert written.get(shifted[0], 0) > 1, f"the shift was not in the turn's own request: {written}"
