@@ -251,3 +251,13 @@ def test_local_cpu_answers_a_spoken_question_with_the_llama_server_it_starts(tmp
     assert server["started"] is True and server["ready_s"] > 0
     assert "listening on" in (run_dir / "server.log").read_text()
     assert not processes_with(f"--port\0{port}\0"), "the server s2s-run started was stopped"
+
+
+@pytest.mark.parametrize("rate", ["16000", "8000"])
+def test_a_realtime_sessions_audio_reaches_the_vad_a_window_at_a_time(rate):
+    """io.chunk_ms is one Silero window at either rate, so the VAD runs a window each time it wakes:
+    the same moments as smaller chunks, with fewer thread wake-ups for every open session."""
+    cfg, choices = _composed("local_cpu", "io=realtime", f"io.rate={rate}", f"vad.sample_rate={rate}")
+    nodes = plan(cfg, choices).nodes
+    source, vad = nodes["source"].node, nodes["vad"].node
+    assert source.rate * source.chunk_ms // 1000 == vad.window, (source.chunk_ms, vad.window)

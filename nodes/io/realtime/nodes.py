@@ -117,7 +117,7 @@ class RealtimeSource(Node):
         client_limits: Mapping[str, Any] | None = None,
         trusted_proxies: Any = (),
         rate: int = 16000,
-        chunk_ms: int = 20,
+        chunk_ms: int = 32,
         webrtc: Mapping[str, Any] | None = None,
         target_ms: float | None = 1000.0,
         admission: str = "refuse",
