@@ -61,12 +61,12 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from statistics import median, quantiles
 from typing import Any
 
 import numpy as np
 
-from benchmarks._stats import percentile_interval
+from benchmarks._stats import percentile, percentile_interval
+from s2s_flow.machine import cpu_label
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,11 +86,7 @@ QUESTIONS = [  # 2-3 s of speech each in the corpus voice (Piper en_US)
 
 
 def pct(values: list[float], q: int) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1 or q == 50:
-        return round(median(values), 1)
-    return round(quantiles(values, n=100, method="inclusive")[q - 1], 1)
+    return round(percentile(values, q), 1) if values else None
 
 
 def interval(values: list[float]) -> list[float] | None:
@@ -485,7 +481,7 @@ def main(argv: list[str]) -> None:
     for i, tree in enumerate(trees):
         name = tree.name if [t.name for t in trees].count(tree.name) == 1 else str(tree)
         results[name] = run_tree(tree, ns, said, args, args.out / f"tree{i}-{tree.name}")
-    report = {"cpu": _cpu_model(), "turns": args.turns, "min_turns": args.min_turns, "stagger_s": args.stagger_s,
+    report = {"cpu": cpu_label(), "turns": args.turns, "min_turns": args.min_turns, "stagger_s": args.stagger_s,
               "seed": args.seed, "trees": {
         name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
     (args.out / "conversations.json").write_text(json.dumps(report, indent=1))
@@ -518,11 +514,3 @@ def pooled(paths: list[Path], ns: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores"

@@ -42,6 +42,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from s2s_flow.machine import cpu_label
+
 KV_VARIANTS = {  # llama-server's KV layouts whose cost per slot is measured: (tokens a slot, arguments)
     "f16, 1536 a slot (the recipe)": (1536, []),
     "f16, 1536 a slot, -fa off": (1536, ["-fa", "off"]),
@@ -268,7 +270,7 @@ def main(argv: list[str]) -> None:
     cmd = [sys.executable, "-m", "s2s_flow.cli", "recipe=local_cpu", "io=realtime", f"io.port={port}",
            f"io.max_sessions={largest}", "io.target_ms=null", "io.idle_timeout_s=3600",
            f"llm.base_url=http://127.0.0.1:{llm_port}/v1", f"hydra.run.dir={args.out / 'run'}", *args.overrides]
-    report: dict[str, Any] = {"cpu": cpu_model(), "load_before": os.getloadavg()[0],
+    report: dict[str, Any] = {"cpu": cpu_label(), "load_before": os.getloadavg()[0],
                               "llama_slots": largest + 1, "llama_ctx": recipe_ctx(largest, args.overrides)}
     with (args.out / "s2s-run.log").open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -302,11 +304,6 @@ def recipe_ctx(sessions: int, overrides: list[str]) -> int:
     return int(argv[argv.index("-c") + 1])
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    return "unknown"
 
 
 def table(report: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from s2s_flow.accuracy import normalise, word_errors  # noqa: E402
+from s2s_flow.machine import cpu_label  # noqa: E402
 
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"}
 KERNELS = {
@@ -441,8 +442,7 @@ def main() -> None:
 
     cases = [c.strip() for c in args.only.split(",") if c.strip()] or list(CASES)
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
-    print(f"{cpu or 'CPU: unknown'}; kernels: {', '.join(kernels)}; Piper noise draws: {args.draws}")
+    print(f"{cpu_label()}; kernels: {', '.join(kernels)}; Piper noise draws: {args.draws}")
     with tempfile.TemporaryDirectory(prefix="accuracy-spread-") as tmp:
         folder = Path(tmp)
         for case in cases:

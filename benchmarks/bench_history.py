@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._conversations import _cpu_model  # noqa: E402
+from s2s_flow.machine import cpu_label  # noqa: E402
 
 QUESTIONS = ["What is the capital of Australia?", "How tall is Mount Everest?", "Who wrote Hamlet?",
              "Why is the sky blue?", "What do bees make?", "How many legs does a spider have?",
@@ -99,7 +99,7 @@ def main() -> None:
     from s2s_flow.model_server import managed_server
     from tests.support.servers import free_port
 
-    report: dict[str, Any] = {"cpu": _cpu_model(), "turns": args.turns, "max_history_turns": args.max_history_turns,
+    report: dict[str, Any] = {"cpu": cpu_label(), "turns": args.turns, "max_history_turns": args.max_history_turns,
                               "rows": []}
     for slots in args.slots:
         port = free_port()

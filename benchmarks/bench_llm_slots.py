@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._conversations import _cpu_model  # noqa: E402
+from s2s_flow.machine import cpu_label  # noqa: E402
 
 PER_SLOT_CTX = 2048  # recipe=local_cpu's context per slot
 QUESTION = "Tell me about the history of the bicycle."
@@ -174,7 +174,7 @@ def main() -> None:
         rows.update(bench_server(args.slots, args.streams, args.tokens, args.rounds))
     for backend in args.local:
         rows.update(bench_local(backend, args.streams, args.tokens, args.rounds))
-    report = {"cpu": _cpu_model(), "tokens": args.tokens, "rounds": args.rounds,
+    report = {"cpu": cpu_label(), "tokens": args.tokens, "rounds": args.rounds,
               "rows": [{"setup": setup, "streams": n, **row} for (setup, n), row in rows.items()]}
     print(json.dumps(report, indent=1))
     print(f"\n{report['cpu']}, {args.tokens} tokens per stream, median of {args.rounds} rounds\n")

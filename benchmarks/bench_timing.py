@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from benchmarks._stats import percentile  # noqa: E402
 from s2s_flow.errors import NodeFailed  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
+from s2s_flow.machine import cpu_label  # noqa: E402
 from s2s_flow.scheduler import Scheduler  # noqa: E402
 from s2s_flow.validate import validate  # noqa: E402
 from tests.support.managed import start_signalled_graph  # noqa: E402
@@ -48,12 +48,6 @@ from tests.support.managed import start_signalled_graph  # noqa: E402
 T = "tests.support.nodes."
 CHUNK_S = 0.020
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration, subprocess.SubprocessError):
-        return platform.processor() or platform.machine()
 
 
 def ms(values: list[float]) -> str:
@@ -189,7 +183,7 @@ def main() -> None:
             results["paced chunk made late (every chunk)"] = every
             results["paced chunk late where the VAD decided (metrics' share)"] = decided
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\nengine timing on {cpu_model()} ({os.cpu_count()} cores, load average {load:.1f})")
+    print(f"\nengine timing on {cpu_label()}, load average {load:.1f}")
     for label, values in results.items():
         print(f"  {label:<58} {ms(values)}")
 

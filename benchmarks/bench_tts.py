@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._stats import percentile  # noqa: E402
+from s2s_flow.machine import cpu_label  # noqa: E402
 from s2s_flow.messages import TextDelta  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
 
@@ -81,13 +82,10 @@ def paragraph_rtf(node) -> tuple[float, float]:
 def first_clause_sweep(runs: int) -> None:
     """Piper's time to the first audio of a clause, by clause length and tts.threads (p50/p95 ms)."""
     import os
-    import subprocess
-
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = sorted({1, 2, cores} & set(range(1, cores + 1)))
     words = REPLY.split()
-    print(f"Piper (joe, noise off) first audio of a clause, ms p50/p95 over {runs} runs; {cores} cores; {cpu}")
+    print(f"Piper (joe, noise off) first audio of a clause, ms p50/p95 over {runs} runs; {cpu_label()}")
     print(f"{'words':>5} " + " ".join(f"{f'threads={t}':>16}" for t in threads))
     nodes = {t: make("piper", None, threads=t, noise_scale=0.0, noise_w_scale=0.0)[0] for t in threads}
     for n in CLAUSE_WORDS:

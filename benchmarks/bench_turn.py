@@ -46,6 +46,7 @@ from benchmarks._stats import percentile  # noqa: E402
 from nodes._turn_text import ServerScorer, end_probability, scoring_messages, turn_text_of  # noqa: E402
 from nodes.tts.hesitant import pause_of  # noqa: E402
 from nodes.vad.silero import SileroVAD  # noqa: E402
+from s2s_flow.machine import cpu_label  # noqa: E402
 from s2s_flow.messages import AudioChunk, Speech  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
 
@@ -242,11 +243,8 @@ def main() -> None:
 
 
 def _print(results: dict) -> None:
-    import subprocess
-
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
     print(f"turn end after the true end of speech (ms) on finished turns, turns left to the long silence "
-          f"(late), users cut off; {cpu}")
+          f"(late), users cut off; {cpu_label()}")
     print(f"{'policy':26s} {'end p50':>7s} {'p95':>5s} {'late':>6s} {'cut: hesitant':>14s} {'finished':>9s}")
     for name, r in results.items():
         print(f"{name:26s} {r['end_delay_p50_ms'] or 0:7d} {r['end_delay_p95_ms'] or 0:5d} {r['late']:6d} "

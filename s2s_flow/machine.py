@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PACKAGES", "hardware", "rss_mb", "versions"]
+__all__ = ["PACKAGES", "cpu_label", "hardware", "rss_mb", "versions"]
 
 #: Distributions whose versions every row records (those installed).
 PACKAGES = ("s2s-flow", "hydra-core", "omegaconf", "numpy", "onnxruntime", "silero-vad", "faster-whisper",
@@ -32,18 +32,29 @@ def rss_mb() -> float | None:
         return None
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    return fields
+
+
 @cache
 def hardware() -> dict[str, Any]:
-    """CPU model, cores, RAM and GPUs of this machine (once per process)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        if sys.platform == "darwin":
-            cpu = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or cpu
+    """CPU model, cores, RAM and GPUs of this machine (once per process). ``cpu_id`` and ``simd``
+    tell apart CPUs a cloud machine names alike ("AMD EPYC" is several generations)."""
+    info = _cpuinfo()
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    if not info and sys.platform == "darwin":
+        cpu = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or cpu
+    flags = set(info.get("flags", "").split())
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2" if flags else None
+    cpu_id = f"family {info['cpu family']} model {info['model']}" if "cpu family" in info and "model" in info else None
     try:
         ram_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
@@ -55,9 +66,18 @@ def hardware() -> dict[str, Any]:
         gpu = "; ".join(n.strip() for n in names.splitlines() if n.strip()) if names else "nvidia-smi failed"
     elif sys.platform == "darwin" and platform.machine() == "arm64":
         gpu = "Apple GPU (unified memory)"
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "cores_usable": usable,
-            "ram_gb": ram_gb, "gpu": gpu, "os": f"{platform.system()} {platform.release()}",
+    return {"host": platform.node(), "cpu": cpu, "cpu_id": cpu_id, "simd": simd, "cores": os.cpu_count(),
+            "cores_usable": usable, "ram_gb": ram_gb, "gpu": gpu, "os": f"{platform.system()} {platform.release()}",
             "python": platform.python_version()}
+
+
+def cpu_label() -> str:
+    """The CPU as a benchmark prints it beside its figures, e.g. "AMD EPYC (family 26 model 2, AVX-512,
+    2 cores)": cloud machines give several generations one name, and the same code's figures differ
+    between them."""
+    hw = hardware()
+    details = [d for d in (hw["cpu_id"], hw["simd"]) if d] + [f"{hw['cores_usable']} cores"]
+    return f"{hw['cpu']} ({', '.join(details)})"
 
 
 def _run(cmd: list[str]) -> str:
