@@ -22,7 +22,8 @@ without AVX-512 read it in int8 ("Australia's Canberra ... accept that other is"
 Printed per bound: the value on the test's audio with the tests' kernels, min / median / max over
 all versions and kernels, the worst version, and the bound. A bound holds on another machine
 when the worst case is inside it; it still tests something when a real failure (a lost sentence
-piece, a missing word) lies outside it. Put `lscpu | grep 'Model name'` next to the figures.
+piece, a missing word) lies outside it. The CPU (name, family and model, widest vector unit) is
+printed above the figures.
 """
 
 from __future__ import annotations
