@@ -309,7 +309,7 @@ def shed_by_kind(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: v for k, v in out.items() if v}
 
 
-def cpu_by_stage(before: dict[str, float], after: dict[str, float], turns: int) -> dict[str, float]:
+def cpu_by_stage(before: dict[str, float], after: dict[str, float], turns: float) -> dict[str, float]:
     """The server process's CPU seconds per turn by stage (``s2s_stage_cpu_seconds``: each node's
     threads, engines' own threads as ``native``, the rest as ``other``); {} from a tree without it."""
     prefix = "s2s_stage_cpu_seconds_total{stage="

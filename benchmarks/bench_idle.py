@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import sys
@@ -34,11 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._conversations import ROOT, TreeServer, scrape  # noqa: E402
+from benchmarks._conversations import ROOT, Mic, TreeServer, cpu_by_stage, scrape  # noqa: E402
 from s2s_flow.machine import cpu_label  # noqa: E402
-
-APPEND_S = 0.020
-RATE = 24000
 
 
 def switches(pid: int) -> int:
@@ -54,22 +50,18 @@ def switches(pid: int) -> int:
 
 
 async def stream_silence(port: int, stop: asyncio.Event) -> None:
+    """One session whose microphone is open and hears nothing (the conversations benchmark's Mic)."""
     from websockets.asyncio.client import connect
 
-    event = json.dumps({"type": "input_audio_buffer.append",
-                        "audio": base64.b64encode(bytes(2 * round(RATE * APPEND_S))).decode()})
     async with connect(f"ws://127.0.0.1:{port}/v1/realtime", max_size=None) as ws:
         async def read() -> None:
             async for _ in ws:
                 pass
 
-        reader = asyncio.create_task(read())
-        start, sent = time.monotonic(), 0
-        while not stop.is_set():
-            sent += 1
-            await asyncio.sleep(max(0.0, start + sent * APPEND_S - time.monotonic()))
-            await ws.send(event)
-        reader.cancel()
+        tasks = [asyncio.create_task(read()), asyncio.create_task(Mic(ws).run())]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
 
 
 async def measure(server: TreeServer, sessions: int, seconds: float) -> dict[str, Any]:
@@ -82,9 +74,7 @@ async def measure(server: TreeServer, sessions: int, seconds: float) -> dict[str
     span = sessions * (time.monotonic() - t)
     stop.set()
     await asyncio.gather(*clients, return_exceptions=True)
-    prefix = "s2s_stage_cpu_seconds_total{stage="
-    stages = {key[len(prefix):-1]: round(1000 * (value - metrics.get(key, 0.0)) / span, 2)
-              for key, value in sorted(metrics2.items()) if key.startswith(prefix)}
+    stages = cpu_by_stage(metrics, metrics2, span / 1000)  # CPU s per ms of a session: ms per session-second
     return {"python_ms": round(1000 * (cpu2[0] - cpu[0]) / span, 2),
             "llama_server_ms": round(1000 * (cpu2[1] - cpu[1]) / span, 2),
             "switches": round((ctx2 - ctx) / span, 1),
