@@ -314,7 +314,7 @@ def _ask_for_a_long_reply(ws: Any) -> None:
 
 
 def test_a_client_that_stops_reading_is_told_and_closed_when_its_queue_is_full(llama, tmp_path):  # noqa: F811
-    with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=65536") as (url, server):
+    with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=131072") as (url, server):
         before = {t.ident for t in threading.enumerate()}
         with _slow_reader(url) as ws:
             _ask_for_a_long_reply(ws)  # ... and read no more until the server gives up on us
@@ -354,16 +354,21 @@ def test_a_client_that_never_reads_again_does_not_keep_its_socket(llama, tmp_pat
 
 
 def test_a_reading_client_is_not_closed_for_a_backlog_of_the_servers_own(llama, tmp_path, caplog):  # noqa: F811
-    """The server's loop is held up (here on purpose, 1.5 s; in life a burst of another client's
-    frames) while a reply's events keep coming from the session's threads: they pile up past
-    io.max_queued_bytes before the loop can send them, but this client reads all it is given, so
-    the reply goes on whole and nothing counts as send_queue_full (up to 4x the bound: what a reply
-    of this machine's Piper sends in the stall is ~2.5x)."""
+    """The server's loop is held up (here on purpose, 4 s from the end of the question; in life a burst
+    of another client's frames) while the reply's events keep coming from the session's threads: they
+    pile up past io.max_queued_bytes before the loop can send them, but this client reads all it is
+    given, so the reply goes on whole and nothing counts as send_queue_full (up to 4x the bound).
+
+    What piles up is the whole reply, made before the loop moves again (<1 s on AMD EPYC family 26): 16 tokens at
+    temperature 0, not paced (tts.lead_s past its length), 259-272 kB of events in six runs, 2.0-2.1x
+    the bound. The stall once came at the reply's first audio with the reply paced: what piled up then
+    hung on where its sentences fell against the stall (65-280 kB against a 4x bound of 256 kB), and
+    the test failed one run in five."""
     import logging
     import time
 
     caplog.set_level(logging.INFO, "s2s_flow.realtime")
-    with serving(llama, tmp_path, "llm.max_tokens=200", "io.max_queued_bytes=65536") as (url, server):
+    with serving(llama, tmp_path, "llm.max_tokens=16", "tts.lead_s=60", "io.max_queued_bytes=131072") as (url, server):
         async def talk() -> tuple[list[str], int]:
             async with websockets.connect(f"{url}/realtime", max_size=None) as ws:
                 assert json.loads(await ws.recv())["type"] == "session.created"
@@ -373,9 +378,9 @@ def test_a_reading_client_is_not_closed_for_a_backlog_of_the_servers_own(llama, 
                 async for text in ws:
                     event = json.loads(text)
                     kinds.append(event["error"]["code"] if event["type"] == "error" else event["type"])
+                    if event["type"] == "input_audio_buffer.speech_stopped":  # the server's loop stalls now
+                        server._loop.call_soon_threadsafe(time.sleep, 4.0)
                     if event["type"] == "response.output_audio.delta":
-                        if not audio:  # the reply's first audio: the server's loop stalls now
-                            server._loop.call_soon_threadsafe(time.sleep, 1.5)
                         audio += len(event["delta"])
                     if event["type"] == "response.done":
                         assert event["response"]["status"] == "completed", event["response"]
