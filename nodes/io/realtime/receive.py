@@ -34,37 +34,41 @@ class Receiver:
 
     async def _receive(self) -> None:
         """Client events until the client leaves, stays quiet too long (``_quiet``), or the graph
-        ends (or fails), the client stops reading or the drain is over."""
-        recv: asyncio.Task | None = None
+        ends (or fails), the client stops reading or the drain is over. The events are read by one
+        task of their own (``_read``); this one wakes only for what ends the session and for the
+        quiet checks, not per event."""
+        reader = asyncio.ensure_future(self._read())
         overflow = asyncio.ensure_future(self.overflow.wait())
         ending = asyncio.ensure_future(self.ending.wait())
         try:
             while True:
-                if recv is None:
-                    closing = await self.rate.wait(self.session.send)
-                    if closing is not None:
-                        self.shut(closing, 1008, "rate_limited")
-                        return
-                    recv = asyncio.ensure_future(self.ws.receive())
                 wait = min(self.server.options.idle_timeout_s - (time.monotonic() - self.heard_at), self.CHECK_S)
-                finished, _ = await asyncio.wait({recv, self.done, overflow, ending}, timeout=max(0.05, wait),
+                finished, _ = await asyncio.wait({reader, self.done, overflow, ending}, timeout=max(0.05, wait),
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
                     if self._quiet():
                         return
                     continue
-                if recv not in finished:  # the graph ended (failed), the client stopped reading, the drain is over
-                    return
-                message, recv = recv.result(), None
-                if message["type"] == "websocket.disconnect":
-                    return
-                self.heard_at = time.monotonic()
-                self.handlers.receive(message.get("text"))
+                if reader in finished:
+                    reader.result()  # the client left, or was closed for its rate; or what failed, raised here
+                return  # else the graph ended (failed), the client stopped reading, the drain is over
         finally:
             overflow.cancel()
             ending.cancel()
-            if recv is not None:
-                recv.cancel()
+            reader.cancel()
+
+    async def _read(self) -> None:
+        """Read and hand over the client's events, at most ``io.max_events_per_s``, until it leaves."""
+        while True:
+            closing = await self.rate.wait(self.session.send)
+            if closing is not None:
+                self.shut(closing, 1008, "rate_limited")
+                return
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            self.heard_at = time.monotonic()
+            self.handlers.receive(message.get("text"))
 
     def _quiet(self) -> bool:
         """Nothing came for a while: whether the session ends (it does past ``io.idle_timeout_s``)."""
