@@ -30,3 +30,27 @@ def test_the_low_latency_resampler_returns_each_block_at_once_and_band_limited(r
         y = np.concatenate([resample(tone[i : i + step]) for i in range(0, rate_in, step)])[4000:]
         level = np.sqrt(2 * np.mean(y**2))
         assert lowest <= level <= highest, (freq, level)  # 9.5 kHz cannot fold back into the speech band
+
+
+@pytest.mark.parametrize("rate_in", [24000, 12000, 8000, 48000])
+def test_the_low_latency_resampler_computes_by_phase_what_the_gather_of_every_window_gives(rate_in, monkeypatch):
+    """With few filter phases (24 kHz to 16 kHz: 2) each phase's outputs are one product over a
+    strided view; the gather of every output's window (kept for 44.1 kHz's 160 phases) is the
+    reference. Appends of uneven sizes, so that the phase each one starts on moves."""
+    from s2s_flow import audio
+
+    pcm = np.random.default_rng(7).standard_normal(rate_in).astype(np.float32) * 0.3
+    sizes = [17, 333, rate_in // 50, 1, 0, 2 * rate_in // 50 + 5] * 40
+
+    def run() -> np.ndarray:
+        resample, out, at = LowLatencyResampler(rate_in, 16000), [], 0
+        for size in sizes:
+            out.append(resample(pcm[at : at + size]))
+            at += size
+        return np.concatenate(out)
+
+    by_phase = run()
+    monkeypatch.setattr(audio, "_FEW_PHASES", 0)
+    gathered = run()
+    assert len(by_phase) == len(gathered) > 16000 * 0.9
+    np.testing.assert_allclose(by_phase, gathered, atol=1e-6)
