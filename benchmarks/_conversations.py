@@ -369,6 +369,15 @@ class TreeServer:
                 self.proc.wait()
 
 
+def settled(port: int, timeout_s: float = 30.0) -> None:
+    """Wait until the server has closed every session (a client's close returns before its session's
+    graph is torn down): the next conversations find none still counted against io.max_sessions
+    (with ``--conversations 1``, the warm-up's would take the one place)."""
+    deadline = time.monotonic() + timeout_s
+    while scrape(port).get("s2s_sessions_open{}", 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], args: argparse.Namespace,
              out: Path) -> dict[int, dict[str, Any]]:
     print(f"server from {tree} ...", file=sys.stderr, flush=True)
@@ -377,6 +386,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
     try:
         url = f"ws://127.0.0.1:{server.port}/v1"
         asyncio.run(conversations(url, 1, said[:1], argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
+        settled(server.port)
         for n in ns:
             print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
             before, cpu0 = scrape(server.port), server.cpu_s()
