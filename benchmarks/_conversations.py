@@ -372,7 +372,7 @@ class TreeServer:
 def settled(port: int, timeout_s: float = 30.0) -> None:
     """Wait until the server has closed every session (a client's close returns before its session's
     graph is torn down): the next conversations find none still counted against io.max_sessions
-    (with ``--conversations 1``, the warm-up's would take the one place)."""
+    (with ``--conversations 1`` alone, the warm-up's or the last round's would take the one place)."""
     deadline = time.monotonic() + timeout_s
     while scrape(port).get("s2s_sessions_open{}", 0) > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -386,13 +386,14 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
     try:
         url = f"ws://127.0.0.1:{server.port}/v1"
         asyncio.run(conversations(url, 1, said[:1], argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
-        settled(server.port)
         for n in ns:
             print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
+            settled(server.port)
             before, cpu0 = scrape(server.port), server.cpu_s()
             got = asyncio.run(conversations(url, n, said, args))
             rounds = 1
             while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
+                settled(server.port)
                 more = asyncio.run(conversations(url, n, said, args, rounds))
                 got = {key: got[key] + more[key] for key in got}
                 rounds += 1
