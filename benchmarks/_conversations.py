@@ -21,15 +21,18 @@ has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) an
 (llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn, and the
 Python process's by stage (``s2s_stage_cpu_seconds_total`` from ``/metrics``: each node's threads,
 ``native`` for an engine's own threads such as CTranslate2's that run Whisper, ``other`` for the
-event loop and the rest; s2s_flow/cpu.py). Then the
-largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms``
-per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run
-(the table gives each p95's 90 % interval, a bootstrap over its turns), so compare trees over
-several runs pooled, alternating which tree goes first (``--pool A/conversations.json B/...``
-prints the pooled figures). ``--min-turns T``
-repeats each N with fresh conversations (other questions) until it has T turns: one conversation's
-p95 of 8 turns is their slowest but one, a ratio against 4 conversations' p95 of 32 turns is then
-mostly the noise of the one-conversation figure.
+event loop and the rest; s2s_flow/cpu.py). And llama-server's own figures (its ``/metrics``,
+turned on with ``LLAMA_ARG_ENDPOINT_METRICS=1``): ms per generated token and per prompt token, a
+slot's time (a token decoded in one batch beside other sessions' replies takes the whole batch's
+time), and how many slots each decode carried on average: on one thread the batch is shared out,
+so a turn's first words slow down as more replies are written beside them. Then the largest N
+whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms`` per tree and
+N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run (the table
+gives each p95's 90 % interval, a bootstrap over its turns), so compare trees over several runs
+pooled, alternating which tree goes first (``--pool A/conversations.json B/...`` prints the pooled
+figures). ``--min-turns T`` repeats each N with fresh conversations (other questions) until it
+has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio against 4
+conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure.
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
@@ -309,6 +312,28 @@ def shed_by_kind(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: v for k, v in out.items() if v}
 
 
+def llama_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """llama-server's decoding between two scrapes of its ``/metrics``: ms per generated token and per
+    prompt token (each slot's own time: a token decoded in a batch with others takes the batch's
+    time) and busy slots per decode; {} where the server has no /metrics (an older tree's)."""
+    def delta(name: str) -> float:
+        return after.get(name + "{}", 0.0) - before.get(name + "{}", 0.0)
+
+    if not after:
+        return {}
+    out = {}
+    if tokens := delta("llamacpp:tokens_predicted_total"):
+        out["ms_per_token"] = round(1000 * delta("llamacpp:tokens_predicted_seconds_total") / tokens, 1)
+    if prompt := delta("llamacpp:prompt_tokens_total"):
+        out["ms_per_prompt_token"] = round(1000 * delta("llamacpp:prompt_seconds_total") / prompt, 1)
+    decodes = delta("llamacpp:n_decode_total")
+    if decodes:  # the gauge is the mean since the start: busy slots in all = mean x decodes
+        busy = (after.get("llamacpp:n_busy_slots_per_decode{}", 0.0) * after.get("llamacpp:n_decode_total{}", 0.0)
+                - before.get("llamacpp:n_busy_slots_per_decode{}", 0.0) * before.get("llamacpp:n_decode_total{}", 0.0))
+        out["slots_per_decode"] = round(busy / decodes, 2)
+    return out
+
+
 def cpu_by_stage(before: dict[str, float], after: dict[str, float], turns: float) -> dict[str, float]:
     """The server process's CPU seconds per turn by stage (``s2s_stage_cpu_seconds``: each node's
     threads, engines' own threads as ``native``, the rest as ``other``); {} from a tree without it."""
@@ -321,16 +346,17 @@ class TreeServer:
     """``s2s-run recipe=local_cpu io=realtime`` from a source tree, in a process of its own."""
 
     def __init__(self, tree: Path, max_sessions: int, overrides: list[str], out: Path, load_admission: bool) -> None:
-        self.tree, self.port = tree, free_port()
+        self.tree, self.port, self.llama_port = tree, free_port(), free_port()
         args = ["recipe=local_cpu", "io=realtime", f"io.port={self.port}", f"io.max_sessions={max_sessions}",
-                f"llm.base_url=http://127.0.0.1:{free_port()}/v1", f"hydra.run.dir={out}"]
+                f"llm.base_url=http://127.0.0.1:{self.llama_port}/v1", f"hydra.run.dir={out}"]
         realtime_yaml = tree / "conf" / "io" / "realtime.yaml"
         if not load_admission and "target_ms:" in realtime_yaml.read_text():
             args.append("io.target_ms=null")
         self.argv = [sys.executable, "-m", "s2s_flow.cli", *args, *overrides]
         out.mkdir(parents=True, exist_ok=True)
         self.log = out / "server-stdout.log"
-        env = {**os.environ, "PYTHONPATH": str(tree), "NO_PROXY": "127.0.0.1,localhost"}
+        env = {**os.environ, "PYTHONPATH": str(tree), "NO_PROXY": "127.0.0.1,localhost",
+               "LLAMA_ARG_ENDPOINT_METRICS": "1"}  # llama-server's /metrics (llama_figures)
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
@@ -346,6 +372,13 @@ class TreeServer:
                     self.stop()
                     raise RuntimeError(f"the server from {tree} did not answer in 600 s; log: {self.log}") from None
                 time.sleep(0.5)
+
+    def llama_metrics(self) -> dict[str, float]:
+        """llama-server's ``/metrics`` now, {} where it has none."""
+        try:
+            return scrape(self.llama_port)
+        except (OSError, ValueError):
+            return {}
 
     def cpu_s(self) -> tuple[float, float]:
         """(this server's Python process, its children: llama-server) CPU seconds so far."""
@@ -389,7 +422,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
         for n in ns:
             print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
             settled(server.port)
-            before, cpu0 = scrape(server.port), server.cpu_s()
+            before, cpu0, llama0 = scrape(server.port), server.cpu_s(), server.llama_metrics()
             got = asyncio.run(conversations(url, n, said, args))
             rounds = 1
             while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
@@ -397,7 +430,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                 more = asyncio.run(conversations(url, n, said, args, rounds))
                 got = {key: got[key] + more[key] for key in got}
                 rounds += 1
-            after, cpu1 = scrape(server.port), server.cpu_s()
+            after, cpu1, llama1 = scrape(server.port), server.cpu_s(), server.llama_metrics()
             turns = max(1, len(got["v2v"]))
             rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "p95_interval": interval(got["v2v"]),
                        "turns": len(got["v2v"]),
@@ -407,6 +440,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
                                           "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
                        "cpu_s_per_turn_by_stage": cpu_by_stage(before, after, turns),
+                       "llama": llama_figures(llama0, llama1),
                        "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
@@ -441,6 +475,13 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
             if stages := results[t][n].get("cpu_s_per_turn_by_stage"):
                 lines.append(f"- {t}, {n} conversation(s): the server's CPU s/turn by stage: "
                              + ", ".join(f"{k} {v}" for k, v in stages.items()))
+    for t in trees:
+        for n in ns:
+            if llama := results[t][n].get("llama"):
+                lines.append(f"- {t}, {n} conversation(s): llama-server: "
+                             f"{llama.get('ms_per_token', '-')} ms per generated token, "
+                             f"{llama.get('ms_per_prompt_token', '-')} per prompt token (a slot's time), "
+                             f"{llama.get('slots_per_decode', '-')} slots per decode")
     for t in trees:
         for n in ns:
             if (span := results[t][n].get("p95_interval")) is not None:

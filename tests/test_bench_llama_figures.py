@@ -1,0 +1,55 @@
+"""bench_realtime.py --conversations reads llama-server's own figures from its /metrics
+(benchmarks/_conversations.py: llama_figures), turned on by the environment the benchmark gives the
+server: a real llama-server (SmolLM2-135M, two slots, one thread) serves one request alone, then two
+at once, and the figures between the scrapes say so."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from benchmarks._conversations import llama_figures, scrape
+from tests.support.fixtures import llama_server_binary, smollm2_gguf  # noqa: F401
+from tests.support.servers import running_llama_server
+
+TOKENS = 24
+
+
+def complete(base_url: str, prompt: str) -> None:
+    body = json.dumps({"prompt": prompt, "n_predict": TOKENS, "ignore_eos": True, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{base_url}/completion", body, {"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=60) as response:
+        assert json.loads(response.read())["tokens_predicted"] == TOKENS
+
+
+def test_the_figures_show_requests_decoded_alone_and_side_by_side(
+        smollm2_gguf: Path, llama_server_binary: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setenv("LLAMA_ARG_ENDPOINT_METRICS", "1")  # as TreeServer starts the server
+    with running_llama_server(smollm2_gguf, binary=llama_server_binary,
+                              extra_args=("--parallel", "2", "--threads", "1")) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        start = scrape(port)
+        complete(base_url, "The moon is")
+        alone = scrape(port)
+        ready = threading.Barrier(2)
+
+        def side_by_side(prompt: str) -> None:
+            ready.wait()
+            complete(base_url, prompt)
+
+        callers = [threading.Thread(target=side_by_side, args=(p,)) for p in ("The sea is", "A good book is")]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+        together = scrape(port)
+    first, second = llama_figures(start, alone), llama_figures(alone, together)
+    assert first["slots_per_decode"] == 1.0, first
+    assert second["slots_per_decode"] > 1.5, second  # most decodes carried both requests' next tokens
+    assert first["ms_per_token"] > 0 and second["ms_per_token"] > 0 and first["ms_per_prompt_token"] > 0
+    assert llama_figures(start, {}) == {}  # a server without /metrics (an older tree's): no figures
