@@ -321,6 +321,8 @@ def llama_figures(before: dict[str, float], after: dict[str, float]) -> dict[str
 
     if not after:
         return {}
+    if after.get("llamacpp:n_decode_total{}", 0.0) < before.get("llamacpp:n_decode_total{}", 0.0):
+        before = {}  # restarted meanwhile (server.max_restarts): its counters began again
     out = {}
     if tokens := delta("llamacpp:tokens_predicted_total"):
         out["ms_per_token"] = round(1000 * delta("llamacpp:tokens_predicted_seconds_total") / tokens, 1)

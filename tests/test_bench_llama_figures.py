@@ -53,3 +53,4 @@ def test_the_figures_show_requests_decoded_alone_and_side_by_side(
     assert second["slots_per_decode"] > 1.5, second  # most decodes carried both requests' next tokens
     assert first["ms_per_token"] > 0 and second["ms_per_token"] > 0 and first["ms_per_prompt_token"] > 0
     assert llama_figures(start, {}) == {}  # a server without /metrics (an older tree's): no figures
+    assert llama_figures(together, alone) == first  # restarted in between: counted from its start
