@@ -316,23 +316,26 @@ def llama_figures(before: dict[str, float], after: dict[str, float]) -> dict[str
     """llama-server's decoding between two scrapes of its ``/metrics``: ms per generated token and per
     prompt token (each slot's own time: a token decoded in a batch with others takes the batch's
     time) and busy slots per decode; {} where the server has no /metrics (an older tree's)."""
-    def delta(name: str) -> float:
-        return after.get(name + "{}", 0.0) - before.get(name + "{}", 0.0)
+    def total(scraped: dict[str, float], name: str) -> float:
+        value = scraped.get(f"llamacpp:{name}{{}}", 0.0)
+        if name == "n_busy_slots_per_decode":  # a gauge, the mean since the start: busy slots in all
+            value *= scraped.get("llamacpp:n_decode_total{}", 0.0)
+        return value
 
     if not after:
         return {}
-    if after.get("llamacpp:n_decode_total{}", 0.0) < before.get("llamacpp:n_decode_total{}", 0.0):
+    if total(after, "n_decode_total") < total(before, "n_decode_total"):
         before = {}  # restarted meanwhile (server.max_restarts): its counters began again
+    delta = {name: total(after, name) - total(before, name) for name in (
+        "tokens_predicted_total", "tokens_predicted_seconds_total", "prompt_tokens_total", "prompt_seconds_total",
+        "n_decode_total", "n_busy_slots_per_decode")}
     out = {}
-    if tokens := delta("llamacpp:tokens_predicted_total"):
-        out["ms_per_token"] = round(1000 * delta("llamacpp:tokens_predicted_seconds_total") / tokens, 1)
-    if prompt := delta("llamacpp:prompt_tokens_total"):
-        out["ms_per_prompt_token"] = round(1000 * delta("llamacpp:prompt_seconds_total") / prompt, 1)
-    decodes = delta("llamacpp:n_decode_total")
-    if decodes:  # the gauge is the mean since the start: busy slots in all = mean x decodes
-        busy = (after.get("llamacpp:n_busy_slots_per_decode{}", 0.0) * after.get("llamacpp:n_decode_total{}", 0.0)
-                - before.get("llamacpp:n_busy_slots_per_decode{}", 0.0) * before.get("llamacpp:n_decode_total{}", 0.0))
-        out["slots_per_decode"] = round(busy / decodes, 2)
+    if tokens := delta["tokens_predicted_total"]:
+        out["ms_per_token"] = round(1000 * delta["tokens_predicted_seconds_total"] / tokens, 1)
+    if prompt := delta["prompt_tokens_total"]:
+        out["ms_per_prompt_token"] = round(1000 * delta["prompt_seconds_total"] / prompt, 1)
+    if decodes := delta["n_decode_total"]:
+        out["slots_per_decode"] = round(delta["n_busy_slots_per_decode"] / decodes, 2)
     return out
 
 
