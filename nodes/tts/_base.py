@@ -18,13 +18,18 @@ Shared voices (many sessions, one model): each chunk is made in a slot of the vo
 (s2s_flow/inference.py, the backend's ``inference_key()``), a reply's first clause as ``first``
 work, its later sentences as ``later`` work due when the listener runs out of audio, and with a
 sink that plays at the listener's pace (nodes/_playback.py) no further ahead than ``lead_s`` of
-what was played: the voice stays free for other sessions' first clauses. A speculative reply's
-work that is shed waits for its turn's confirmation, then goes on as confirmed work.
+what was played: the voice stays free for other sessions' first clauses. While another session's
+first words are in flight a later piece waits as long as the listener keeps audio enough for it:
+a third of the lead and what the piece will take, from what the voice's pieces of every session
+took lately (:class:`PieceTimes`): a new session's first later piece keeps the slack the machine's
+load needs now. A speculative reply's work that is shed waits for its turn's
+confirmation, then goes on as confirmed work.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
@@ -43,6 +48,7 @@ from s2s_flow.node import Node, Voiced
 __all__ = ["SentenceTTS", "first_clause", "in_pieces", "in_turn", "speakable"]
 
 _EMPTY = np.zeros(0, dtype=np.float32)
+_FADE = 0.8  # what a piece took lately: the slowest, fading by a fifth per piece
 # A clause ends at a comma, semicolon, colon or dash followed by a space ("3,000" is not one).
 _CLAUSE_END = re.compile(r"[,;:\u2013\u2014](?=\s)|\s-(?=\s)")
 
@@ -104,6 +110,28 @@ def speakable(text: str) -> bool:
     return any(ch.isalnum() for ch in text)
 
 
+class PieceTimes:
+    """What a voice's pieces took lately, from their text to their audio, a wait for the voice's
+    slot included: the slowest, fading by a fifth per piece. One per voice in the process
+    (:meth:`of`), shared by every session that speaks with it: what a piece takes depends on the
+    load of the whole machine, and a session that just started learns it from the others."""
+
+    _lock = threading.Lock()
+    _voices: ClassVar[dict[str, PieceTimes]] = {}
+
+    def __init__(self) -> None:
+        self.s = 0.0  # 0 until the voice made a piece
+
+    @classmethod
+    def of(cls, voice: str) -> PieceTimes:
+        with cls._lock:
+            return cls._voices.setdefault(voice, cls())
+
+    def took(self, seconds: float) -> None:
+        with self._lock:
+            self.s = max(_FADE * self.s, seconds)
+
+
 class SentenceTTS(Node, Voiced):
     """Base of the TTS nodes: accumulate deltas into sentences, synthesize, chunk, end marker. A
     session switches its voice through the node contract's ``Voiced`` (``voice_name``, ``use_voice``)."""
@@ -160,9 +188,6 @@ class SentenceTTS(Node, Voiced):
         #: seconds of a reply made ahead of what the listener has played (paced sinks only; 0: off)
         self.lead_s = float(lead_s)
         self._made_s = 0.0  # audio of the reply being spoken made so far (seconds)
-        #: what a later piece took lately, its wait for a slot included (the slowest, fading by a
-        #: fifth per piece): the slack it keeps when it lets other sessions' first words go first
-        self._piece_s = 0.0
         self._failed_turn: int | None = None  # a live reply whose endpoint failed: the rest goes unspoken
 
     # -- what a backend implements -------------------------------------------------------
@@ -276,6 +301,7 @@ class SentenceTTS(Node, Voiced):
         resample: StreamResampler | None = None  # one for the sentence: its pieces join seamlessly
         text = sentence
         playback = playback_of(self.ctx)
+        times = self._piece_times()
         for text in in_pieces(sentence, self.max_words):
             kind, deadline = self._schedule(turn)
             if self.interrupted(turn):
@@ -296,10 +322,13 @@ class SentenceTTS(Node, Voiced):
                     close()
             # the text's pace, for an LLM that writes a reply just ahead of its listener (llm.lead_s)
             playback.spoken(turn, len(text) + 1, self._made_s - made_before)
-            if kind == "later":
-                self._piece_s = max(0.8 * self._piece_s, time.monotonic() - began)
+            times.took(time.monotonic() - began)
         if resample is not None and not self.interrupted(turn):
             yield from self._chunks(resample.flush(), rate_out, text, turn)
+
+    def _piece_times(self) -> PieceTimes:
+        """The voice's, shared by the process's sessions (by its scheduler's name, or its voice's)."""
+        return PieceTimes.of(self.inference_key() or f"{type(self).__name__}:{self.voice_name}")
 
     def _schedule(self, turn: int) -> tuple[str, float | None]:
         """The kind and deadline of the reply's next piece: its first is ``first`` work; a later one
@@ -314,9 +343,10 @@ class SentenceTTS(Node, Voiced):
         if self.lead_s and self._made_s > self.lead_s:
             playback.wait_played(turn, self._made_s - self.lead_s, cancelled=cancelled)
         if self.lead_s:  # another session's first words go first while the listener has audio enough:
-            # a third of the lead, and what a piece takes now (or the listener runs out meanwhile)
-            critical.yield_to(lambda: self._made_s - playback.played_s(turn) > self.lead_s / 3 + self._piece_s,
-                              cancelled)
+            # a third of the lead, and what a piece takes now (or the listener runs out meanwhile):
+            # the voice's, which other sessions' pieces measure too while this one waits
+            times = self._piece_times()
+            critical.yield_to(lambda: self._made_s - playback.played_s(turn) > self.lead_s / 3 + times.s, cancelled)
         return "later", time.monotonic() + max(0.0, self._made_s - playback.played_s(turn))
 
     def _made_in_slot(self, stream: Iterator[np.ndarray], kind: str, turn: int, deadline: float | None) -> Any:
