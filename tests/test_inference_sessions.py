@@ -125,7 +125,8 @@ def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than
     tts = session_tts(tmp_path, "paced", lead_s=lead)
     clock = playback_of(tts.ctx)
     clock.paced = True  # a sink that plays at the listener's pace, driven below as a sink drives it
-    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(2)))
+    times = tts._piece_times()
+    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(2), times.s))
     sentences = ["The first sentence of the reply is a fairly long one.",
                  " The second sentence follows it closely.", " And the third one ends the reply."]
     deltas = [TextDelta(turn=2, text=s, sentence_end=True) for s in sentences] + [TextDelta(turn=2, text="", end=True)]
@@ -133,10 +134,43 @@ def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than
     player = threading.Thread(target=sink_play, args=(tts, 2, *deltas), daemon=True)
     player.start()
     done(player)
-    assert [text for text, _, _ in order] == [s.strip() for s in sentences]
-    for text, made, played in order[1:]:  # each later sentence began within the lead of the listener
-        assert made > lead, "the test must make more than the lead before a later sentence"
-        assert made - played <= lead + 1e-6, (text, made, played)
+    assert [text for text, *_ in order] == [s.strip() for s in sentences]
+    for text, made, played, piece_s in order[1:]:  # each later sentence began within the lead (and what a
+        assert made > lead + piece_s, "the test must make more than that before a later sentence"  # piece takes)
+        assert made - played <= lead + piece_s + 1e-6, (text, made, played, piece_s)
+
+
+def test_a_later_sentence_begins_earlier_by_what_the_voices_pieces_take_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load a piece takes longer (its wait for the voice's slot included): begun at the lead,
+    its listener would run out while it is made (a gap). It begins that much earlier, so the
+    listener has the lead left when it is made; what a piece takes is the voice's, measured by every
+    session's pieces (here another session's, which waited a second for the busy voice)."""
+    lead = 0.4
+    other = session_tts(tmp_path, "loaded")
+    sched = inference.scheduler(other.inference_key(), 1)
+    with sched.slot("first"):  # the voice is busy (a third session's synthesis): the other's piece waits
+        busy, _ = speak(other, TextDelta(turn=1, text="Busy, for now.", sentence_end=True))
+        waiting(sched, "first")
+        time.sleep(1.0)
+    done(busy)
+    times = other._piece_times()
+    assert times.s >= 1.0, "the other session's piece took its wait for the voice"
+
+    tts = session_tts(tmp_path, "paced-loaded", lead_s=lead)
+    assert tts._piece_times() is times, "one voice, one measure for every session"
+    clock = playback_of(tts.ctx)
+    clock.paced = True
+    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, tts._made_s, clock.played_s(2), times.s))
+    sink_play(tts, 2, TextDelta(turn=2, text="The first sentence of this reply is long enough to last a few seconds.",
+                                sentence_end=True),
+              TextDelta(turn=2, text=" And a later one.", sentence_end=True))
+    (_, made, played, piece_s), = order[1:]
+    assert piece_s >= 0.8 * 1.0, "what a piece takes now: the other session's wait, faded by one piece at most"
+    assert made > lead + piece_s, "the test must make more than that before the later sentence"
+    # begun when the listener had the lead and what a piece takes left to hear, not the lead alone
+    assert lead + piece_s - 0.15 <= made - played <= lead + piece_s + 1e-6, (made, played, piece_s)
 
 
 def reply_past_its_lead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,

@@ -17,13 +17,14 @@ LLM's part of the critical path ends and the TTS's begins (s2s_flow/metrics.py).
 Shared voices (many sessions, one model): each chunk is made in a slot of the voice's scheduler
 (s2s_flow/inference.py, the backend's ``inference_key()``), a reply's first clause as ``first``
 work, its later sentences as ``later`` work due when the listener runs out of audio, and with a
-sink that plays at the listener's pace (nodes/_playback.py) no further ahead than ``lead_s`` of
-what was played: the voice stays free for other sessions' first clauses. While another session's
-first words are in flight a later piece waits as long as the listener keeps audio enough for it:
-a third of the lead and what the piece will take, from what the voice's pieces of every session
-took lately (:class:`PieceTimes`): a new session's first later piece keeps the slack the machine's
-load needs now. A speculative reply's work that is shed waits for its turn's
-confirmation, then goes on as confirmed work.
+sink that plays at the listener's pace (nodes/_playback.py) no further ahead of what was played
+than ``lead_s`` and what a piece takes now: the voice stays free for other sessions' first clauses,
+and the listener has the lead left when a piece is made, however loaded the machine. While another
+session's first words are in flight a later piece waits as long as the listener keeps audio enough
+for it: a third of the lead and what a piece takes. What a piece takes is the voice's, from what its
+pieces of every session took lately (:class:`PieceTimes`): a new session's first later piece keeps
+the margin the machine's load needs now. A speculative reply's work that is shed waits for its
+turn's confirmation, then goes on as confirmed work.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ class SentenceTTS(Node, Voiced):
         self._cut_turn = -1  # turns below this were interrupted
         self.speaking_turn = 0  # turn of the sentence being synthesized
         self._started_turn: int | None = None  # the last reply whose first text went to synthesis
-        #: seconds of a reply made ahead of what the listener has played (paced sinks only; 0: off)
+        #: seconds of a reply made ahead of what the listener has played, on top of what a piece takes
+        #: now (paced sinks only; 0: off)
         self.lead_s = float(lead_s)
         self._made_s = 0.0  # audio of the reply being spoken made so far (seconds)
         self._failed_turn: int | None = None  # a live reply whose endpoint failed: the rest goes unspoken
@@ -332,20 +334,22 @@ class SentenceTTS(Node, Voiced):
 
     def _schedule(self, turn: int) -> tuple[str, float | None]:
         """The kind and deadline of the reply's next piece: its first is ``first`` work; a later one
-        waits until the listener is within ``lead_s`` of it (a paced sink), then is due when the
-        listener will have heard what was made before it."""
+        waits until the listener is within ``lead_s`` and what a piece takes now of it (a paced sink),
+        then is due when the listener will have heard what was made before it."""
         if self._made_s == 0.0:
             return "first", None
         playback = playback_of(self.ctx)
         if not playback.paced:
             return "later", None
         cancelled = lambda: self.interrupted(turn) or self.ctx.stopping.is_set()  # noqa: E731
-        if self.lead_s and self._made_s > self.lead_s:
-            playback.wait_played(turn, self._made_s - self.lead_s, cancelled=cancelled)
-        if self.lead_s:  # another session's first words go first while the listener has audio enough:
-            # a third of the lead, and what a piece takes now (or the listener runs out meanwhile):
-            # the voice's, which other sessions' pieces measure too while this one waits
+        if self.lead_s:
+            # what a piece takes now (the voice's, measured by every session's pieces): the piece is
+            # begun that much earlier, so the listener has the lead left when it is made, loaded or not
             times = self._piece_times()
+            if self._made_s > (ahead := self.lead_s + times.s):
+                playback.wait_played(turn, self._made_s - ahead, cancelled=cancelled)
+            # another session's first words go first while the listener has audio enough: a third of
+            # the lead, and what a piece takes now (or the listener runs out meanwhile)
             critical.yield_to(lambda: self._made_s - playback.played_s(turn) > self.lead_s / 3 + times.s, cancelled)
         return "later", time.monotonic() + max(0.0, self._made_s - playback.played_s(turn))
 
