@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nodes.tts._base import in_pieces
+from nodes.tts._base import in_pieces, leading_piece
 from s2s_flow.errors import ConfigError
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Context
@@ -37,6 +37,43 @@ def test_every_piece_keeps_within_the_most_words_and_no_word_is_lost():
         pieces = in_pieces(LONG, most)
         assert all(len(p.split()) <= most for p in pieces), most
         assert " ".join(pieces).split() == LONG.split()
+
+
+@pytest.mark.parametrize(("text", "most", "piece"), [
+    ("A lightweight, waterproof, breathable", 5, ""),  # not more than 5 words yet: the 5th may go on
+    ("A lightweight, waterproof, breathable, lightweight, breathable", 5,
+     "A lightweight, waterproof, breathable, lightweight,"),  # after the last clause end in reach
+    ("one two three four five six", 5, "one two three four five"),  # no clause end: the words themselves
+    ("one two three four five six", 0, ""),  # max_words=0: whole sentences only
+])
+def test_a_sentence_still_being_written_gives_its_leading_piece_once_it_passes_the_most_words(text, most, piece):
+    assert text[: leading_piece(text, most)] == piece
+
+
+def test_a_run_on_sentence_is_spoken_in_pieces_as_it_is_written(tmp_path):
+    """A sentence that does not end (a small model repeating itself up to its token limit) goes out in
+    pieces of tts.max_words as its words come: its listener does not wait for its end, and every word
+    is spoken once."""
+    from nodes.tts.espeak import EspeakTTS
+
+    node = EspeakTTS(max_words=5)
+    node.ctx = Context("tts", tmp_path)
+    node.setup()
+    text = ("The best pack is a lightweight, waterproof, breathable, lightweight, breathable, lightweight "
+            "and breathable one for the hills")
+    spoken: list[tuple[int, str]] = []
+    words = text.split()
+    for i, word in enumerate(words):
+        spoken += [(i, a.text) for a in node.process("text", TextDelta(turn=1, text=(" " if i else "") + word))
+                   if len(a.pcm)]
+    assert spoken, "pieces went out before the sentence ended"
+    assert spoken[0] == (5, "The best pack is a"), "the first piece once its 6th word began (no clause end in reach)"
+    spoken += [(len(words), a.text) for a in node.process("text", TextDelta(turn=1, text=".", sentence_end=True,
+                                                                             end=True)) if len(a.pcm)]
+    pieces = list(dict.fromkeys(t for _, t in spoken))
+    assert all(len(p.split()) <= 5 for p in pieces), pieces
+    assert " ".join(pieces).split() == (text + ".").split(), "every word once, in order"
+    node.close()
 
 
 def test_a_negative_count_is_a_config_error_naming_the_option():

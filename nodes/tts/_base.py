@@ -46,7 +46,7 @@ from s2s_flow.inference import Cancelled, Shed, critical
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node, Voiced
 
-__all__ = ["SentenceTTS", "first_clause", "in_pieces", "in_turn", "speakable"]
+__all__ = ["SentenceTTS", "first_clause", "in_pieces", "in_turn", "leading_piece", "speakable"]
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 _FADE = 0.8  # what a piece took lately: the slowest, fading by a fifth per piece
@@ -68,6 +68,26 @@ def first_clause(text: str, min_words: int, max_words: int = 0) -> int:
     return 0
 
 
+def _clause_cut(text: str, max_words: int) -> int:
+    """End of the last clause of ``text`` within its first ``max_words`` words (0: none there)."""
+    cut = 0
+    for match in _CLAUSE_END.finditer(text):
+        if len(text[: match.start()].split()) > max_words:
+            break
+        cut = match.end()
+    return cut
+
+
+def leading_piece(text: str, max_words: int) -> int:
+    """Length of the piece to speak now of a sentence still being written: once it has more than
+    ``max_words`` words (so the last of them is whole), up to its last clause end within them, else
+    those words; 0 while it has no more. A run-on sentence is spoken as it comes, not once it ends."""
+    words = list(re.finditer(r"\S+", text))
+    if not max_words or len(words) <= max_words:
+        return 0
+    return _clause_cut(text, max_words) or words[max_words - 1].end()
+
+
 def in_pieces(text: str, max_words: int) -> list[str]:
     """``text`` cut into pieces of at most ``max_words`` words (0: whole): after its last clause end
     within reach, else into runs of equal length (no one-word tail after a long run)."""
@@ -76,11 +96,7 @@ def in_pieces(text: str, max_words: int) -> list[str]:
         words = list(re.finditer(r"\S+", text))
         if len(words) <= max_words:
             break
-        cut = 0
-        for match in _CLAUSE_END.finditer(text):
-            if len(text[: match.start()].split()) > max_words:
-                break
-            cut = match.end()
+        cut = _clause_cut(text, max_words)
         if not cut:
             runs = -(-len(words) // max_words)
             cut = words[-(-len(words) // runs) - 1].end()
@@ -252,6 +268,11 @@ class SentenceTTS(Node, Voiced):
             clause, self._pending = self._pending[:cut].strip(), self._pending[cut:]
             self._clause_open = False
             yield from self._speak(clause, msg.turn)
+        else:  # a sentence longer than max_words goes out in pieces as it is written, not once it ends
+            while not self._clause_open and (cut := leading_piece(self._pending, self.max_words)):
+                piece, self._pending = self._pending[:cut].strip(), self._pending[cut:]
+                if speakable(piece):
+                    yield from self._speak(piece, msg.turn)
         if msg.end:
             self._pending_turn = None
             yield AudioOut(turn=msg.turn, pcm=_EMPTY, rate=self._out_rate(), end=True)
