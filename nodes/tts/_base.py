@@ -128,7 +128,7 @@ def speakable(text: str) -> bool:
 
 
 class PieceTimes:
-    """What a voice's pieces took lately, from their text to their audio, a wait for the voice's
+    """What a voice's pieces took lately, from their text to their first audio, a wait for the voice's
     slot included: the slowest, fading by a fifth per piece. One per voice in the process
     (:meth:`of`), shared by every session that speaks with it: what a piece takes depends on the
     load of the whole machine, and a session that just started learns it from the others."""
@@ -329,12 +329,15 @@ class SentenceTTS(Node, Voiced):
             kind, deadline = self._schedule(turn)
             if self.interrupted(turn):
                 return
-            made_before, began = self._made_s, time.monotonic()
+            made_before, began = self._made_s, time.monotonic()  # began: None once its first audio is made
             stream = iter(self.synthesize(text))
             try:
                 while (pcm := self._made_in_slot(stream, kind, turn, deadline)) is not _END:
                     if self.interrupted(turn):
                         return
+                    if began is not None:  # what the piece took to its first audio (the rest comes faster)
+                        times.took(time.monotonic() - began)
+                        began = None
                     if resample is None:  # made at the first audio: a remote voice reports its rate late
                         resample = StreamResampler(self.native_rate, rate_out)
                     audio = to_float32(np.asarray(pcm).reshape(-1))
@@ -345,7 +348,6 @@ class SentenceTTS(Node, Voiced):
                     close()
             # the text's pace, for an LLM that writes a reply just ahead of its listener (llm.lead_s)
             playback.spoken(turn, len(text) + 1, self._made_s - made_before)
-            times.took(time.monotonic() - began)
         if resample is not None and not self.interrupted(turn):
             yield from self._chunks(resample.flush(), rate_out, text, turn)
 

@@ -16,7 +16,7 @@ from nodes.tts._base import SentenceTTS
 from s2s_flow.errors import ConfigError
 from s2s_flow.node import require
 
-__all__ = ["PiperTTS", "SharedVoice"]
+__all__ = ["PHONEMES_PER_WORD", "PiperTTS", "SharedVoice", "in_runs"]
 
 
 class SharedVoice:
@@ -30,10 +30,38 @@ class SharedVoice:
         self.voice, self.slots = voice, slots
         self.calibration: dict | None = None  # tts.threads=auto: the threads chosen and the times behind them
 
-    def synthesize(self, text: str, syn_config: Any = None) -> Iterator[np.ndarray]:
-        """Piper's chunks (one per sentence it finds); the node makes each in a slot of the voice."""
-        for chunk in self.voice.synthesize(text, syn_config=syn_config):
-            yield chunk.audio_float_array
+    def synthesize(self, text: str, syn_config: Any = None, max_phonemes: int = 0) -> Iterator[np.ndarray]:
+        """Piper's chunks, one per sentence it finds, and with ``max_phonemes`` one per run of at most
+        that many phonemes of a longer sentence, cut between words: the node makes each in a slot of
+        the voice, so what a piece costs is bounded by what is spoken, not by its words ("239,999.0222..."
+        is 3 words, read digit by digit: 272 phonemes, 11 s of audio, 1.5 s to make in one go)."""
+        if not max_phonemes:
+            for chunk in self.voice.synthesize(text, syn_config=syn_config):
+                yield chunk.audio_float_array
+            return
+        if syn_config is None:
+            syn_config = require("piper", "piper").SynthesisConfig()
+        for sentence in self.voice.phonemize(text):
+            for run in in_runs(sentence, max_phonemes):
+                audio = self.voice.phoneme_ids_to_audio(self.voice.phonemes_to_ids(run), syn_config)
+                # what PiperVoice.synthesize does to each of its chunks
+                if syn_config.normalize_audio:
+                    peak = float(np.max(np.abs(audio))) if audio.size else 0.0
+                    audio = audio / peak if peak >= 1e-8 else np.zeros_like(audio)
+                yield np.clip(audio * syn_config.volume, -1.0, 1.0).astype(np.float32)
+
+
+def in_runs(phonemes: list[str], most: int) -> list[list[str]]:
+    """A sentence's phonemes in runs of about equal length, at most ``most`` each, cut at the gap
+    between two words (" ") nearest that length (mid-word only where a word is longer than half a run)."""
+    runs: list[list[str]] = []
+    while len(phonemes) > most:
+        size = -(-len(phonemes) // -(-len(phonemes) // most))
+        gaps = [i for i in range(size // 2, size + 1) if phonemes[i] == " "]
+        cut = gaps[-1] if gaps else size
+        runs.append(phonemes[:cut])
+        phonemes = phonemes[cut + 1 if gaps else cut:]
+    return [run for run in (*runs, phonemes) if run]
 
 
 def _cores() -> int:
@@ -42,6 +70,10 @@ def _cores() -> int:
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
+
+#: phonemes a word takes at most, with tts.max_words: English words take 4-7 of Piper's, so a piece
+#: of ordinary words is never cut, and one read letter by letter or digit by digit is (a URL, "0.0222...")
+PHONEMES_PER_WORD = 10
 
 #: what tts.threads=auto times: a reply's first clause, the critical part of every reply
 CALIBRATION_CLAUSE = "The capital of Australia is Canberra,"
@@ -165,7 +197,8 @@ class PiperTTS(SentenceTTS):
 
     def synthesize(self, sentence: str) -> Iterator[np.ndarray]:
         assert self._shared is not None, "setup() first"
-        return self._shared.synthesize(sentence, self._syn_config)  # usually exactly one chunk here
+        # usually one chunk; with tts.max_words also one per run of what that many words take at most
+        return self._shared.synthesize(sentence, self._syn_config, PHONEMES_PER_WORD * self.max_words)
 
     @property
     def voice_name(self) -> str:
