@@ -52,8 +52,8 @@ class SharedVoice:
 
 
 def in_runs(phonemes: list[str], most: int) -> list[list[str]]:
-    """A sentence's phonemes in runs of about equal length, at most ``most`` each, cut at the gap
-    between two words (" ") nearest that length (mid-word only where a word is longer than half a run)."""
+    """A sentence's phonemes in runs of about equal length, at most ``most`` each, cut at the last gap
+    between two words (" ") within that length (mid-word only where its second half has none)."""
     runs: list[list[str]] = []
     while len(phonemes) > most:
         size = -(-len(phonemes) // -(-len(phonemes) // most))
