@@ -91,7 +91,7 @@ def test_piper_length_scale_slows_speech_down(tmp_path_factory: pytest.TempPathF
 
 # three words to the TTS's word count, read digit by digit: 272 phonemes, 11 s of audio
 DIGITS = "is approximately 239,999.0222222222222222222222222222222222 kilometers."
-ORDINARY = "I would recommend a lightweight, waterproof jacket and sturdy boots"  # 10 words, 71 phonemes
+ORDINARY = "I would recommend a lightweight, waterproof jacket and sturdy boots"  # 10 words, 70 phonemes
 
 
 def test_a_piece_read_digit_by_digit_is_made_in_runs_that_max_words_of_speech_allow(
