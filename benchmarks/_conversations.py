@@ -15,24 +15,26 @@ reply's last event, so a long reply spoken steadily is never one. ``conversation
 every reply (``replies``: client, turn, response id, voice-to-voice, audio seconds, when
 ``response.done`` came after the question's end, gaps), and what a "no reply" had got so far.
 
-Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never
-came), the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server
-has it), and CPU seconds: the server's Python process (VAD, STT, TTS, engine) and its children
-(llama-server: the LLM), per answered turn, beside the seconds of reply audio per turn, and the
-Python process's by stage (``s2s_stage_cpu_seconds_total`` from ``/metrics``: each node's threads,
-``native`` for an engine's own threads such as CTranslate2's that run Whisper, ``other`` for the
-event loop and the rest; s2s_flow/cpu.py). And llama-server's own figures (its ``/metrics``,
-turned on with ``LLAMA_ARG_ENDPOINT_METRICS=1``): ms per generated token and per prompt token, a
-slot's time (a token decoded in one batch beside other sessions' replies takes the whole batch's
-time), and how many slots each decode carried on average: on one thread the batch is shared out,
-so a turn's first words slow down as more replies are written beside them. Then the largest N
-whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms`` per tree and
-N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run (the table
-gives each p95's 90 % interval, a bootstrap over its turns), so compare trees over several runs
-pooled, alternating which tree goes first (``--pool A/conversations.json B/...`` prints the pooled
-figures). ``--min-turns T`` repeats each N with fresh conversations (other questions) until it
-has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio against 4
-conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure.
+Per N: voice-to-voice p50/p95, errors (refused connections, error events, replies that never came),
+the work the server shed (``s2s_inference_shed_total`` from ``/metrics``, where the server has it),
+and CPU seconds: the server's Python process (VAD, STT, TTS, engine) and its children (llama-server:
+the LLM), per answered turn, beside the seconds of reply audio per turn, and the Python process's by
+stage (``s2s_stage_cpu_seconds_total`` from ``/metrics``: each node's threads, ``native`` for an
+engine's own threads such as CTranslate2's that run Whisper, ``other`` for the event loop and the
+rest; s2s_flow/cpu.py). And llama-server's own figures (its ``/metrics``, turned on with
+``LLAMA_ARG_ENDPOINT_METRICS=1``): ms per generated token and per prompt token, a slot's time (a
+token decoded in one batch beside other sessions' replies takes the whole batch's time), and how
+many slots each decode carried on average: on one thread the batch is shared out, so a turn's first
+words slow down as more replies are written beside them. The host: its own speed just before each N
+(a fixed Python loop and memory read, :func:`host_probe`: a shared host runs the same CPU twice as
+slow in some hours) and, during it, how busy the cores were and how much time the hypervisor stole.
+Then the largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice
+(``v2v_ms`` per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from
+run to run (the table gives each p95's 90 % interval, a bootstrap over its turns), so compare trees
+over several runs pooled, alternating which tree goes first (``--pool A/conversations.json B/...``
+prints the pooled figures). ``--min-turns T`` repeats each N with fresh conversations (other
+questions) until it has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio
+against 4 conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure.
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
@@ -407,6 +409,47 @@ class TreeServer:
                 self.proc.wait()
 
 
+def host_ticks() -> list[int]:
+    """This machine's CPU ticks so far, all cores (/proc/stat: user, nice, system, idle, iowait, irq,
+    softirq, steal, ...); [] where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def host_load(before: list[int], after: list[int]) -> dict[str, float]:
+    """Between two :func:`host_ticks`: how busy the cores were and how much of their time the
+    hypervisor gave to other machines (steal), in %; {} without /proc/stat."""
+    if len(before) < 8 or len(after) < 8:
+        return {}
+    d = [b - a for a, b in zip(before[:8], after[:8], strict=True)]
+    total = sum(d) or 1
+    return {"busy_pct": round(100 * (total - d[3] - d[4] - d[7]) / total, 1),
+            "stolen_pct": round(100 * d[7] / total, 1)}
+
+
+def host_probe() -> dict[str, float]:
+    """The host's own speed now, on an idle server: a fixed Python loop (ms) and a single-threaded
+    read of 64 MiB (GB/s), the best of 5. The same CPU model runs 2x slower in some hours of a shared
+    host (a neighbour on the same cores or memory, which steal time does not always show), so a
+    figure taken in one hour is compared with another only beside these."""
+    loop = read = float("inf")
+    a = np.ones(8 * 2**20, dtype=np.float32)
+    for _ in range(5):
+        t = time.perf_counter()
+        s = 0
+        for i in range(300_000):
+            s += i * i
+        loop = min(loop, time.perf_counter() - t)
+        t = time.perf_counter()
+        a.sum()
+        a.sum()
+        read = min(read, time.perf_counter() - t)
+    return {"loop_ms": round(1000 * loop, 1), "read_gb_s": round(2 * a.nbytes / read / 1e9, 1)}
+
+
 def settled(port: int, timeout_s: float = 30.0) -> None:
     """Wait until the server has closed every session (a client's close returns before its session's
     graph is torn down): the next conversations find none still counted against io.max_sessions
@@ -427,6 +470,8 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
         for n in ns:
             print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
             settled(server.port)
+            probe = host_probe()
+            ticks0 = host_ticks()
             before, cpu0, llama0 = scrape(server.port), server.cpu_s(), server.llama_metrics()
             got = asyncio.run(conversations(url, n, said, args))
             rounds = 1
@@ -436,6 +481,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                 got = {key: got[key] + more[key] for key in got}
                 rounds += 1
             after, cpu1, llama1 = scrape(server.port), server.cpu_s(), server.llama_metrics()
+            host = {**probe, **host_load(ticks0, host_ticks())}
             turns = max(1, len(got["v2v"]))
             rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "p95_interval": interval(got["v2v"]),
                        "turns": len(got["v2v"]),
@@ -445,7 +491,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
                                           "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
                        "cpu_s_per_turn_by_stage": cpu_by_stage(before, after, turns),
-                       "llama": llama_figures(llama0, llama1),
+                       "llama": llama_figures(llama0, llama1), "host": host,
                        "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
@@ -487,6 +533,12 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                              f"{llama.get('ms_per_token', '-')} ms per generated token, "
                              f"{llama.get('ms_per_prompt_token', '-')} per prompt token (a slot's time), "
                              f"{llama.get('slots_per_decode', '-')} slots per decode")
+    for t in trees:
+        for n in ns:
+            if host := results[t][n].get("host"):
+                lines.append(f"- {t}, {n} conversation(s): the host before: a fixed Python loop "
+                             f"{host['loop_ms']} ms, a memory read {host['read_gb_s']} GB/s; during: cores busy "
+                             f"{host.get('busy_pct', '-')} %, stolen {host.get('stolen_pct', '-')} %")
     for t in trees:
         for n in ns:
             if (span := results[t][n].get("p95_interval")) is not None:
