@@ -25,16 +25,16 @@ rest; s2s_flow/cpu.py). And llama-server's own figures (its ``/metrics``, turned
 ``LLAMA_ARG_ENDPOINT_METRICS=1``): ms per generated token and per prompt token, a slot's time (a
 token decoded in one batch beside other sessions' replies takes the whole batch's time), and how
 many slots each decode carried on average: on one thread the batch is shared out, so a turn's first
-words slow down as more replies are written beside them. The host: its own speed just before each N
-(a fixed Python loop and memory read, :func:`host_probe`: a shared host runs the same CPU twice as
-slow in some hours) and, during it, how busy the cores were and how much time the hypervisor stole.
-Then the largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice
-(``v2v_ms`` per tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from
-run to run (the table gives each p95's 90 % interval, a bootstrap over its turns), so compare trees
-over several runs pooled, alternating which tree goes first (``--pool A/conversations.json B/...``
-prints the pooled figures). ``--min-turns T`` repeats each N with fresh conversations (other
-questions) until it has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio
-against 4 conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure.
+words slow down as more replies are written beside them. The host, during each N: its own speed (the
+CPU time of a fixed Python loop every 2 s, :class:`HostSpeed`: a shared host runs the same vCPU 2-4x
+slower in some minutes), how busy the cores were and how much time the hypervisor stole. Then the
+largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms`` per
+tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run (the
+table gives each p95's 90 % interval, a bootstrap over its turns), so compare trees over several
+runs pooled, alternating which tree goes first (``--pool A/conversations.json B/...`` prints the
+pooled figures). ``--min-turns T`` repeats each N with fresh conversations (other questions) until
+it has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio against 4
+conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure.
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
@@ -430,24 +430,48 @@ def host_load(before: list[int], after: list[int]) -> dict[str, float]:
             "stolen_pct": round(100 * d[7] / total, 1)}
 
 
-def host_probe() -> dict[str, float]:
-    """The host's own speed now, on an idle server: a fixed Python loop (ms) and a single-threaded
-    read of 64 MiB (GB/s), the best of 5. The same CPU model runs 2x slower in some hours of a shared
-    host (a neighbour on the same cores or memory, which steal time does not always show), so a
-    figure taken in one hour is compared with another only beside these."""
-    loop = read = float("inf")
-    a = np.ones(8 * 2**20, dtype=np.float32)
-    for _ in range(5):
-        t = time.perf_counter()
-        s = 0
-        for i in range(300_000):
-            s += i * i
-        loop = min(loop, time.perf_counter() - t)
-        t = time.perf_counter()
-        a.sum()
-        a.sum()
-        read = min(read, time.perf_counter() - t)
-    return {"loop_ms": round(1000 * loop, 1), "read_gb_s": round(2 * a.nbytes / read / 1e9, 1)}
+#: the host's speed, in a process of its own: the thread CPU time of a fixed Python loop every
+#: ``interval`` s (CPU time: a wait for a core busy with the server is not counted, a core running
+#: slower is); ~16 ms of CPU every 2 s on AMD EPYC family 25 model 1
+_PROBE = """
+import sys, time
+while True:
+    c = time.thread_time()
+    s = 0
+    for i in range(300_000):
+        s += i * i
+    print(round(1000 * (time.thread_time() - c), 1), flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+class HostSpeed:
+    """The host's own speed while a benchmark runs. On a shared host the same vCPU runs a fixed loop
+    1.8-4x slower in some minutes than in others (AMD EPYC family 25 model 1, an idle machine: 16.8,
+    then 29.4, then 37-84 ms), and the hypervisor's steal time does not show it (0 %): a neighbour on
+    the same physical core or memory. A latency taken in a slow minute is compared with one taken in
+    a fast minute only beside these figures. ``with HostSpeed() as host: ...; host.figures()``."""
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+
+    def __enter__(self) -> HostSpeed:
+        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, str(self.interval_s)],
+                                      stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=30)
+        self.samples = [float(x) for x in out.split()]
+
+    def figures(self) -> dict[str, float]:
+        """``loop_ms``: the loop's median CPU ms, ``loop_ms_range``: its fastest and slowest; {} if none."""
+        if not self.samples:
+            return {}
+        return {"loop_ms": round(float(np.median(self.samples)), 1),
+                "loop_ms_range": [min(self.samples), max(self.samples)], "probes": len(self.samples)}
 
 
 def settled(port: int, timeout_s: float = 30.0) -> None:
@@ -470,18 +494,18 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
         for n in ns:
             print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
             settled(server.port)
-            probe = host_probe()
             ticks0 = host_ticks()
             before, cpu0, llama0 = scrape(server.port), server.cpu_s(), server.llama_metrics()
-            got = asyncio.run(conversations(url, n, said, args))
-            rounds = 1
-            while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
-                settled(server.port)
-                more = asyncio.run(conversations(url, n, said, args, rounds))
-                got = {key: got[key] + more[key] for key in got}
-                rounds += 1
+            with HostSpeed() as speed:
+                got = asyncio.run(conversations(url, n, said, args))
+                rounds = 1
+                while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
+                    settled(server.port)
+                    more = asyncio.run(conversations(url, n, said, args, rounds))
+                    got = {key: got[key] + more[key] for key in got}
+                    rounds += 1
             after, cpu1, llama1 = scrape(server.port), server.cpu_s(), server.llama_metrics()
-            host = {**probe, **host_load(ticks0, host_ticks())}
+            host = {**speed.figures(), **host_load(ticks0, host_ticks())}
             turns = max(1, len(got["v2v"]))
             rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "p95_interval": interval(got["v2v"]),
                        "turns": len(got["v2v"]),
@@ -536,9 +560,10 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
     for t in trees:
         for n in ns:
             if host := results[t][n].get("host"):
-                lines.append(f"- {t}, {n} conversation(s): the host before: a fixed Python loop "
-                             f"{host['loop_ms']} ms, a memory read {host['read_gb_s']} GB/s; during: cores busy "
-                             f"{host.get('busy_pct', '-')} %, stolen {host.get('stolen_pct', '-')} %")
+                span = host.get("loop_ms_range", ["-", "-"])
+                lines.append(f"- {t}, {n} conversation(s): the host: a fixed Python loop {host.get('loop_ms', '-')} "
+                             f"ms of CPU ({span[0]}-{span[1]}), cores busy {host.get('busy_pct', '-')} %, "
+                             f"stolen {host.get('stolen_pct', '-')} %")
     for t in trees:
         for n in ns:
             if (span := results[t][n].get("p95_interval")) is not None:

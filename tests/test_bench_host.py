@@ -1,6 +1,7 @@
 """bench_realtime.py --conversations records the host beside every N (benchmarks/_conversations.py):
-its speed just before (host_probe) and, during the N, how busy the cores were and how much time the
-hypervisor stole (host_load, from /proc/stat). Measured here on this machine's real counters."""
+its own speed while the N runs (HostSpeed: the CPU time of a fixed loop, in a process of its own) and
+how busy the cores were and how much time the hypervisor stole (host_load, from /proc/stat).
+Measured here on this machine's real counters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from benchmarks._conversations import host_load, host_probe, host_ticks
+from benchmarks._conversations import HostSpeed, host_load, host_ticks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="/proc/stat is Linux's")
 
@@ -38,6 +39,11 @@ def test_without_counters_the_load_is_not_made_up() -> None:
     assert host_load(host_ticks(), []) == {}
 
 
-def test_the_probe_times_its_fixed_work() -> None:
-    probe = host_probe()
-    assert probe["loop_ms"] > 0 and probe["read_gb_s"] > 0, probe
+def test_the_hosts_speed_is_sampled_while_the_block_runs() -> None:
+    with HostSpeed(interval_s=0.1) as speed:
+        time.sleep(1.5)  # the probe's interpreter starts, then a loop every 0.1 s
+    figures = speed.figures()
+    assert figures["probes"] >= 2, figures
+    low, high = figures["loop_ms_range"]
+    assert 0 < low <= figures["loop_ms"] <= high, figures
+    assert HostSpeed().figures() == {}  # never run: nothing made up
