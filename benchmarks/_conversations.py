@@ -314,10 +314,11 @@ def shed_by_kind(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: v for k, v in out.items() if v}
 
 
-def llama_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def llama_figures(before: dict[str, float], after: dict[str, float], turns: int = 0) -> dict[str, float]:
     """llama-server's decoding between two scrapes of its ``/metrics``: ms per generated token and per
     prompt token (each slot's own time: a token decoded in a batch with others takes the batch's
-    time) and busy slots per decode; {} where the server has no /metrics (an older tree's)."""
+    time), busy slots per decode and, given ``turns``, prompt and generated tokens per turn (what the
+    slots' cached prefixes did not spare); {} where the server has no /metrics (an older tree's)."""
     def total(scraped: dict[str, float], name: str) -> float:
         value = scraped.get(f"llamacpp:{name}{{}}", 0.0)
         if name == "n_busy_slots_per_decode":  # a gauge, the mean since the start: busy slots in all
@@ -338,6 +339,9 @@ def llama_figures(before: dict[str, float], after: dict[str, float]) -> dict[str
         out["ms_per_prompt_token"] = round(1000 * delta["prompt_seconds_total"] / prompt, 1)
     if decodes := delta["n_decode_total"]:
         out["slots_per_decode"] = round(delta["n_busy_slots_per_decode"] / decodes, 2)
+    if turns:
+        out["prompt_tokens_per_turn"] = round(prompt / turns, 1)
+        out["tokens_per_turn"] = round(tokens / turns, 1)
     return out
 
 
@@ -515,7 +519,7 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
                                           "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
                        "cpu_s_per_turn_by_stage": cpu_by_stage(before, after, turns),
-                       "llama": llama_figures(llama0, llama1), "host": host,
+                       "llama": llama_figures(llama0, llama1, turns), "host": host,
                        "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
@@ -556,7 +560,9 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                 lines.append(f"- {t}, {n} conversation(s): llama-server: "
                              f"{llama.get('ms_per_token', '-')} ms per generated token, "
                              f"{llama.get('ms_per_prompt_token', '-')} per prompt token (a slot's time), "
-                             f"{llama.get('slots_per_decode', '-')} slots per decode")
+                             f"{llama.get('slots_per_decode', '-')} slots per decode, "
+                             f"{llama.get('prompt_tokens_per_turn', '-')} prompt and "
+                             f"{llama.get('tokens_per_turn', '-')} generated tokens per turn")
     for t in trees:
         for n in ns:
             if host := results[t][n].get("host"):

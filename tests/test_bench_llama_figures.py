@@ -54,3 +54,6 @@ def test_the_figures_show_requests_decoded_alone_and_side_by_side(
     assert first["ms_per_token"] > 0 and second["ms_per_token"] > 0 and first["ms_per_prompt_token"] > 0
     assert llama_figures(start, {}) == {}  # a server without /metrics (an older tree's): no figures
     assert llama_figures(together, alone) == first  # restarted in between: counted from its start
+    per_turn = llama_figures(alone, together, turns=2)  # two requests: two turns' worth
+    assert per_turn["tokens_per_turn"] == TOKENS, per_turn
+    assert 0 < per_turn["prompt_tokens_per_turn"] < 16, per_turn  # "The sea is", "A good book is": a few tokens
