@@ -120,6 +120,32 @@ def test_target_null_admits_by_count_alone_and_an_empty_server_always_takes_one(
     assert admission(open_now, target_ms=None, snapshot=lambda: snapshot_of(5.0)).full() is None
 
 
+def test_target_auto_is_this_machines_voice_to_voice_for_a_lone_caller_times_1_5():
+    open_now, clock = [2], Clock()
+    gate = admission(open_now, target_ms="auto", clock=clock, snapshot=lambda: {})
+    for _ in range(4):
+        gate.voice_to_voice(3.0)  # two sessions from the start: nothing says what one caller gets
+    assert gate.target_s() is None and gate.full() is None, "not known yet: admitted by count"
+    open_now[0] = 1
+    for v2v in (1.2, 1.4, 1.3):  # what a 2-core AMD EPYC gives one caller alone
+        gate.voice_to_voice(v2v)
+    assert gate.target_s() == pytest.approx(1.5 * 1.3)
+    assert gate.full() == "load", "the two-session replies of 3 s are still the recent median"
+    open_now[0] = 2
+    for _ in range(16):
+        gate.voice_to_voice(1.5)  # back under 80 % of the target: ready again
+    assert gate.full() is None
+    for _ in range(16):
+        gate.voice_to_voice(1.8)  # two callers, each 1.4x slower than one alone: within the target
+    assert gate.full() is None, "a fixed 1000 ms target would refuse the second caller here"
+    for _ in range(16):
+        gate.voice_to_voice(2.1)
+    assert gate.full() == "load"
+    assert "io.target_ms=auto (1950 ms: 1.5 x the 1300 ms this machine gives one caller alone)" in \
+        gate.explain("load"), gate.explain("load")
+    assert gate.target_s() == pytest.approx(1.95), "replies to two sessions never move the lone-caller figure"
+
+
 def test_wait_holds_a_connection_until_a_session_ends_and_is_bounded():
     async def scenario() -> tuple[str | None, str | None]:
         open_now = [2]
@@ -139,6 +165,7 @@ def test_wait_holds_a_connection_until_a_session_ends_and_is_bounded():
 
 def test_bad_admission_settings_are_compose_time_errors():
     for override, words in (("io.admission=later", "io.admission=refuse"), ("io.target_ms=0", "io.target_ms"),
+                            ("io.target_ms=soon", "io.target_ms=soon must be > 0"),
                             ("io.admission_wait_s=-1", "io.admission_wait_s")):
         cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", override])
         with pytest.raises(ConfigError, match=words):

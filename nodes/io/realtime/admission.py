@@ -9,6 +9,13 @@ every session later, so a new connection is refused with ``session_limit_reached
 (``io.admission=refuse``) or waits, at most ``io.admission_wait_s``, for a session to end or the
 load to fall (``io.admission=wait``).
 
+``io.target_ms=auto`` (the default) takes the target from this machine: ``AUTO_FACTOR`` (1.5) times
+the median voice-to-voice of its replies made while one session was open, the best this machine
+and its models give one caller. A fixed number is a promise tuned on one CPU: 1000 ms is met with
+room on a fast one, while on a 2-core AMD EPYC (family 25 model 1) one caller alone waits 1.3 s, and
+such a server would refuse every second caller. Until a few replies to a lone caller are in
+(``AUTO_ALONE``), an auto target is not known and the server admits by count.
+
 Full by load has hysteresis: once over the target, the server stays full until the load is back
 under ``RECOVER_SHARE`` of it (the median under 80 % of ``io.target_ms``, the queue wait under 80 %
 of its mark), or the figures have aged out, or no session is left. ``/readyz`` answers by the same
@@ -34,6 +41,9 @@ from s2s_flow.errors import ConfigError
 __all__ = ["Admission", "InferenceCollector", "POLICIES", "check", "inference_snapshot"]
 
 POLICIES = ("refuse", "wait")
+AUTO = "auto"        # io.target_ms from this machine's voice-to-voice for one caller
+AUTO_FACTOR = 1.5    # ... this many times it
+AUTO_ALONE = 3       # ... once this many replies to a lone caller are in
 RECENT = 16          # voice-to-voice figures kept (the most recent, of any session)
 RECENT_S = 60.0      # ... and none older than this: a load that has passed no longer counts
 MIN_FIGURES = 2      # fewer figures than this say nothing about the load
@@ -56,15 +66,16 @@ def first_wait_s(snapshot: dict[str, dict[str, Any]]) -> float:
     return sum(float((model.get("wait_s") or {}).get("first") or 0.0) for model in snapshot.values())
 
 
-def check(policy: str, target_ms: float | None, wait_s: float) -> None:
+def check(policy: str, target_ms: float | str | None, wait_s: float) -> None:
     """The admission settings, checked at compose time (the source's) and again by the server."""
     if policy not in POLICIES:
         raise ConfigError(f"io.admission={policy!r} is not an admission policy; choose io.admission=refuse "
                           "(a connection beyond capacity gets session_limit_reached) or io.admission=wait "
                           "(it waits up to io.admission_wait_s for room)")
-    if target_ms is not None and (isinstance(target_ms, bool) or target_ms <= 0):
+    if target_ms is not None and target_ms != AUTO and (isinstance(target_ms, bool | str) or target_ms <= 0):
         raise ConfigError(f"io.target_ms={target_ms} must be > 0 (the voice-to-voice a session should get, "
-                          "in ms), or null to admit by io.max_sessions alone")
+                          f"in ms), {AUTO} ({AUTO_FACTOR:g} x what this machine gives one caller alone), or null "
+                          "to admit by io.max_sessions alone")
     if wait_s < 0:
         raise ConfigError(f"io.admission_wait_s={wait_s} must be >= 0 seconds")
 
@@ -72,7 +83,7 @@ def check(policy: str, target_ms: float | None, wait_s: float) -> None:
 class Admission:
     """The server's admission decisions (one per server; used on its event loop only)."""
 
-    def __init__(self, *, sessions: Callable[[], int], max_sessions: int, target_ms: float | None = 1000.0,
+    def __init__(self, *, sessions: Callable[[], int], max_sessions: int, target_ms: float | str | None = AUTO,
                  policy: str = "refuse", wait_s: float = 10.0,
                  snapshot: Callable[[], dict[str, dict[str, Any]]] = inference_snapshot,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -80,6 +91,7 @@ class Admission:
         self.sessions, self.max_sessions, self.target_ms = sessions, max_sessions, target_ms
         self.policy, self.wait_s, self.snapshot, self.clock = policy, wait_s, snapshot, clock
         self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (when, voice-to-voice s)
+        self.alone: deque[float] = deque(maxlen=RECENT)  # voice-to-voice s of replies to a lone session
         self._changed: asyncio.Event | None = None
         self.load = ""  # what made it full by load, the last time it was
         self.loaded = False  # full by load at the last verdict: the marks are RECOVER_SHARE lower
@@ -89,6 +101,27 @@ class Admission:
     def voice_to_voice(self, seconds: float) -> None:
         """A live session's reply started ``seconds`` after its user stopped speaking (any thread)."""
         self.recent.append((self.clock(), seconds))
+        if self.sessions() <= 1:
+            self.alone.append(seconds)
+
+    def target_s(self) -> float | None:
+        """The voice-to-voice budget in seconds: ``io.target_ms``, or for ``auto`` :data:`AUTO_FACTOR`
+        times the median of the replies to a lone session; None: by count only (null, or auto before
+        :data:`AUTO_ALONE` such replies)."""
+        if self.target_ms != AUTO:
+            return None if self.target_ms is None else self.target_ms / 1000
+        alone = list(self.alone)
+        return AUTO_FACTOR * median(alone) if len(alone) >= AUTO_ALONE else None
+
+    def _target(self) -> str:
+        """The budget as the messages name it."""
+        if self.target_ms != AUTO:
+            return f"io.target_ms={self.target_ms:g}"
+        target = self.target_s()
+        if target is None:
+            return f"io.target_ms={AUTO} (not known yet: fewer than {AUTO_ALONE} replies to a lone caller)"
+        return (f"io.target_ms={AUTO} ({target * 1000:.0f} ms: {AUTO_FACTOR:g} x the "
+                f"{target / AUTO_FACTOR * 1000:.0f} ms this machine gives one caller alone)")
 
     def closed(self) -> None:
         """A session ended: room for a waiting connection (on the server's loop)."""
@@ -107,12 +140,13 @@ class Admission:
         live = self.sessions()
         if live >= self.max_sessions:
             return "count"
-        self.loaded = self.target_ms is not None and bool(live) and self._over()
+        target = self.target_s()
+        self.loaded = target is not None and bool(live) and self._over(target)
         return "load" if self.loaded else None
 
-    def _over(self) -> bool:
+    def _over(self, target_s: float) -> bool:
         """Over the load marks (lowered to RECOVER_SHARE while it was full by load)."""
-        mark_s = self.target_ms / 1000 * (RECOVER_SHARE if self.loaded else 1.0)
+        mark_s = target_s * (RECOVER_SHARE if self.loaded else 1.0)
         back = "" if not self.loaded else f", not yet back under {RECOVER_SHARE:.0%} of the target"
         recent = self.recent_v2v_s()
         if len(recent) >= MIN_FIGURES and median(recent) > mark_s:
@@ -130,14 +164,14 @@ class Admission:
         """The error message a refused client reads."""
         if reason == "count":
             return f"the server holds {self.max_sessions} sessions (io.max_sessions); try again later"
-        return (f"the server is at capacity: {self.load}, against its io.target_ms={self.target_ms:g} budget, "
+        return (f"the server is at capacity: {self.load}, against its {self._target()} budget, "
                 "so one more session would slow every one; try again later (or another server)")
 
     def why(self, reason: str) -> str:
         """The short form ``/readyz`` gives: ``full: count (...)`` or ``full: load: ...``."""
         if reason == "count":
             return f"full: count ({self.sessions()} of io.max_sessions={self.max_sessions})"
-        return f"full: load: {self.load} (io.target_ms={self.target_ms:g})"
+        return f"full: load: {self.load} ({self._target()})"
 
     async def admit(self) -> str | None:
         """Take the new connection (None) or say why not. ``wait``: until there is room, at most

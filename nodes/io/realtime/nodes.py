@@ -119,7 +119,7 @@ class RealtimeSource(Node):
         rate: int = 16000,
         chunk_ms: int = 32,
         webrtc: Mapping[str, Any] | None = None,
-        target_ms: float | None = 1000.0,
+        target_ms: float | str | None = "auto",
         admission: str = "refuse",
         admission_wait_s: float = 10.0,
         twilio_voice: str | None = None,

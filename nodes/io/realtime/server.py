@@ -87,7 +87,7 @@ class ServerOptions(Protocol):
     idle_timeout_s: float
     max_frame_bytes: int
     max_queued_bytes: int
-    target_ms: float | None
+    target_ms: float | str | None
     admission: str
     admission_wait_s: float
     max_events_per_s: float
