@@ -144,6 +144,14 @@ def test_target_auto_is_this_machines_voice_to_voice_for_a_lone_caller_times_1_5
     assert "io.target_ms=auto (1950 ms: 1.5 x the 1300 ms this machine gives one caller alone)" in \
         gate.explain("load"), gate.explain("load")
     assert gate.target_s() == pytest.approx(1.95), "replies to two sessions never move the lone-caller figure"
+    pytest.importorskip("prometheus_client", reason="pip install 's2s-flow[serve]'")
+    from nodes.io.realtime.prometheus import ServerMetrics
+
+    metrics, known = ServerMetrics(), [None]
+    metrics.admission_target(lambda: known[0])
+    assert "s2s_admission_target_seconds NaN" in metrics.text().decode()
+    known[0] = gate.target_s()
+    assert "s2s_admission_target_seconds 1.95" in metrics.text().decode()
 
 
 def test_wait_holds_a_connection_until_a_session_ends_and_is_bounded():

@@ -1,10 +1,12 @@
 """The realtime server's Prometheus figures (``/metrics``): sessions, turns, voice-to-voice, the
-sessions it closed and refused and why, the stages that failed, the managed model server's
-restarts, the shared models' queues (admission.py's InferenceCollector), the CPU time by stage,
-and whether it takes a new session now, as ``/readyz`` says (``s2s_ready``, ``s2s_not_ready{reason}``)."""
+sessions it closed and refused and why, the budget admission by load holds them to, the stages that
+failed, the managed model server's restarts, the shared models' queues (admission.py's
+InferenceCollector), the CPU time by stage, and whether it takes a new session now, as ``/readyz``
+says (``s2s_ready``, ``s2s_not_ready{reason}``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nodes.io.realtime.admission import InferenceCollector
@@ -39,6 +41,14 @@ class ServerMetrics:
         self.v2v = prom.Histogram("s2s_voice_to_voice_seconds", "User's end of speech to the first reply audio "
                                   "sent", registry=self.registry,
                                   buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
+
+    def admission_target(self, target_s: Callable[[], float | None]) -> None:
+        """``target_s()``: the voice-to-voice budget admission by load holds sessions to now (read at
+        every scrape): io.target_ms, or what ``auto`` took from this machine; NaN while there is none."""
+        gauge = self.prom.Gauge("s2s_admission_target_seconds", "The voice-to-voice budget of admission by load: "
+                                "io.target_ms, or auto's 1.5 x this machine's figure for a lone caller (NaN: none "
+                                "yet, or admission by count only)", registry=self.registry)
+        gauge.set_function(lambda: float("nan") if (target := target_s()) is None else target)
 
     def readiness(self, state: Any) -> None:
         """``state()``: drain.py's readiness, read at every scrape."""

@@ -118,6 +118,7 @@ class RealtimeServer:
         self.admission = Admission(sessions=lambda: self.open, max_sessions=options.max_sessions,
                                    target_ms=options.target_ms, policy=options.admission,
                                    wait_s=options.admission_wait_s)
+        self.metrics.admission_target(self.admission.target_s)
         self.open = self.sessions_run = 0  # sessions open now, and since the start
         self.sessions: dict[str, Session] = {}  # the sessions open now, by id
         self._sock = sock
