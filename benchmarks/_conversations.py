@@ -436,7 +436,7 @@ def host_load(before: list[int], after: list[int]) -> dict[str, float]:
 
 #: the host's speed, in a process of its own: the thread CPU time of a fixed Python loop every
 #: ``interval`` s (CPU time: a wait for a core busy with the server is not counted, a core running
-#: slower is); ~16 ms of CPU every 2 s on AMD EPYC family 25 model 1
+#: slower is); 17-80 ms of CPU every 2 s on AMD EPYC family 25 model 1 (at most 4 % of a core)
 _PROBE = """
 import sys, time
 while True:
@@ -451,10 +451,11 @@ while True:
 
 class HostSpeed:
     """The host's own speed while a benchmark runs. On a shared host the same vCPU runs a fixed loop
-    1.8-4x slower in some minutes than in others (AMD EPYC family 25 model 1, an idle machine: 16.8,
-    then 29.4, then 37-84 ms), and the hypervisor's steal time does not show it (0 %): a neighbour on
-    the same physical core or memory. A latency taken in a slow minute is compared with one taken in
-    a fast minute only beside these figures. ``with HostSpeed() as host: ...; host.figures()``."""
+    1.8-4x slower in some minutes than in others (AMD EPYC family 25 model 1, an idle machine: 16.8
+    ms in one minute, 29.4 and 37-84 ms in later ones), and the hypervisor's steal time does not show
+    it (0 %): a neighbour on the same physical core or memory, most likely. A latency taken in a slow
+    minute is compared with one taken in a fast minute only beside these figures.
+    ``with HostSpeed() as host: ...; host.figures()``."""
 
     def __init__(self, interval_s: float = 2.0) -> None:
         self.interval_s = interval_s
