@@ -130,7 +130,9 @@ def test_a_continuation_after_an_early_pause_is_never_cut_off_with_hybrid(
     assert speech.end >= speech_end - 0.1  # one turn, to the end of the request
     [score] = [e for e in events if e["kind"] == "turn_text"][:1]
     assert score["probability"] < SileroVAD().text_threshold  # "set a timer for" does not read as finished
-    assert not [e for e in events if e["kind"] == "turn_end" and e["by"] == "hybrid"]
+    # no turn ended at the early pause; the whole request may end after the short silence (both signals
+    # finished: SmolLM2 read it so on AMD EPYC family 25 model 1, p 0.57) or after the long one (elsewhere)
+    assert not [e for e in events if e["kind"] == "turn_end" and e["turn"] == score["turn"]], events
 
 
 def test_a_finished_question_ends_after_the_short_silence_with_hybrid(smart_turn_wheel, whisper, smollm2_server):  # noqa: F811
