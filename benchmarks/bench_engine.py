@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._host import host_load, host_ticks  # noqa: E402
 from benchmarks._stats import percentile  # noqa: E402
 from s2s_flow.graph import build_graph  # noqa: E402
 from s2s_flow.messages import AudioChunk, Message, TextDelta  # noqa: E402
@@ -112,14 +113,6 @@ class Sink(Node):
 
     def finish(self) -> None:
         self.usage = thread_usage()
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """(all, stolen) CPU ticks of the machine so far: on a VM, the hypervisor's steal time
-    shows up as stalls of milliseconds that no thread hand-over explains (the p99 tail)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return sum(ticks), ticks[7] if len(ticks) > 7 else 0
 
 
 def rss_mb() -> float:
@@ -260,7 +253,7 @@ def main() -> None:
     usage: dict[str, list[dict[str, tuple[float, int]]]] = {c: [] for c in chains}
     for chain in chains.values():
         chain(2000)  # warm-up
-    ticks0 = cpu_ticks()
+    ticks0 = host_ticks()
     for _ in range(args.rounds):
         for name, chain in chains.items():
             r = chain(args.messages)
@@ -270,8 +263,9 @@ def main() -> None:
             hop50, hop99 = per_hop(lat)
             p50[name].append(hop50)
             p99[name].append(hop99)
-    ticks1 = cpu_ticks()
-    stolen = (ticks1[1] - ticks0[1]) / max(1, ticks1[0] - ticks0[0]) * 100
+    # on a VM the hypervisor's steal time shows as stalls of milliseconds that no thread hand-over
+    # explains (the p99 tail)
+    stolen = host_load(ticks0, host_ticks()).get("stolen_pct", 0.0)
 
     cap = f"capacity {args.capacity}" if args.capacity else f"default ring capacity ({Message.ring[0]})"
     print(f"\n6 pass-through nodes, {args.messages} msgs per round (half 20 ms audio, half text), {args.rounds} "

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from benchmarks._conversations import HostSpeed, host_load, host_ticks
+from benchmarks._host import HostSpeed, host_load, host_ticks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="/proc/stat is Linux's")
 
