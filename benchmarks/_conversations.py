@@ -48,6 +48,13 @@ one run: before and after side by side. The server is started once per tree with
 = the largest N, its llama-server on a free port (one already running elsewhere is not used).
 Admission is by count only (``io.target_ms=null`` where the tree has it), so that every tree
 serves every conversation; ``--load-admission`` keeps the tree's own admission.
+
+``--late-joiner S``: one more caller connects S seconds after the last client of each N started
+(the server then has room for it by count: io.max_sessions is the largest N + 1), and the run
+records what it met: admitted, or refused with the server's words (``session_limit_reached``:
+the server is full by load). It hangs up at once either way. With ``--load-admission`` and the
+default ``io.target_ms: auto``, run N=1 first (``--conversations 1 4 8``): the target is taken
+from the replies one caller alone gets.
 """
 
 from __future__ import annotations
@@ -282,6 +289,24 @@ async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], 
             "replies": [v for r in results for v in r["replies"]]}
 
 
+async def late_joiner(url: str, after_s: float) -> dict[str, Any]:
+    """One more caller, ``after_s`` into a round: admitted, or refused with the server's words."""
+    from websockets.asyncio.client import connect
+
+    await asyncio.sleep(after_s)
+    out: dict[str, Any] = {"after_s": after_s}
+    try:
+        async with connect(f"{url}/realtime", max_size=None) as ws:
+            first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+    except Exception as exc:  # noqa: BLE001 - what it met is the figure
+        return {**out, "admitted": False, "code": f"connect: {type(exc).__name__}"}
+    if first.get("type") == "session.created":
+        return {**out, "admitted": True}
+    error = first.get("error") or {}
+    return {**out, "admitted": False, "code": error.get("code", first.get("type")),
+            "message": str(error.get("message", ""))[:400]}
+
+
 # -- the server of one tree ------------------------------------------------------------------------
 
 
@@ -423,10 +448,18 @@ def settled(port: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+async def with_late_joiner(url: str, n: int, said: list[tuple[np.ndarray, float]],
+                           args: argparse.Namespace) -> tuple[dict, dict]:
+    """A round of ``n`` conversations and, ``--late-joiner`` s after the last one began, one more caller."""
+    return await asyncio.gather(conversations(url, n, said, args),
+                                late_joiner(url, (n - 1) * args.stagger_s + args.late_joiner))
+
+
 def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], args: argparse.Namespace,
              out: Path) -> dict[int, dict[str, Any]]:
     print(f"server from {tree} ...", file=sys.stderr, flush=True)
-    server = TreeServer(tree, max(ns), args.overrides, out, args.load_admission)
+    joiner = 1 if args.late_joiner is not None else 0  # room for it by count: only load may refuse it
+    server = TreeServer(tree, max(ns) + joiner, args.overrides, out, args.load_admission)
     rows = {}
     try:
         url = f"ws://127.0.0.1:{server.port}/v1"
@@ -437,7 +470,11 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
             ticks0 = host_ticks()
             before, cpu0, llama0 = scrape(server.port), server.cpu_s(), server.llama_metrics()
             with HostSpeed() as speed:
-                got = asyncio.run(conversations(url, n, said, args))
+                joined = None
+                if joiner:
+                    got, joined = asyncio.run(with_late_joiner(url, n, said, args))
+                else:
+                    got = asyncio.run(conversations(url, n, said, args))
                 rounds = 1
                 while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
                     settled(server.port)
@@ -459,6 +496,8 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
+            if joined is not None:
+                rows[n]["late_joiner"] = joined
             print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
             rows[n]["v2v_ms"] = [round(v, 1) for v in got["v2v"]]  # each turn's, to pool runs by
             rows[n]["replies"] = got["replies"]
@@ -512,6 +551,13 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                 lines.append(f"- {t}, {n} conversation(s): p95 {results[t][n]['p95']} ms, 90 % interval "
                              f"{span[0]}-{span[1]} (a bootstrap over its {results[t][n]['turns']} turns)")
     for t in trees:
+        for n in ns:
+            if (joined := results[t][n].get("late_joiner")) is not None:
+                met = ("admitted" if joined["admitted"]
+                       else f"refused ({joined.get('code')}: {joined.get('message', '')})")
+                lines.append(f"- {t}, {n} conversation(s): a caller joining {joined['after_s']:g} s after the "
+                             f"first client: {met}")
+    for t in trees:
         ok = [n for n in ns if results[t][n]["p95"] is not None and results[t][n]["p95"] < 1000
               and not results[t][n]["errors"]]
         lines.append(f"- {t}: largest N with p95 < 1 s and no errors: {max(ok) if ok else 'none'}")
@@ -537,6 +583,9 @@ def main(argv: list[str]) -> None:
                     help="llm.seed for every tree's LLM: the same replies to the same questions (-1: unseeded)")
     ap.add_argument("--load-admission", action="store_true",
                     help="keep the server's admission by load (io.target_ms); default: by count only")
+    ap.add_argument("--late-joiner", type=float, metavar="S",
+                    help="one more caller connects S s after the last client of each N started: admitted, or "
+                         "refused by load (with --load-admission)")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-conversations-")))
     ap.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
                     help="run nothing: pool the turns of these runs' conversations.json per tree and N (the "

@@ -263,6 +263,12 @@ def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(lla
             metrics = _metrics(url)
             assert 's2s_sessions_refused_total{reason="load"} 1.0' in metrics, metrics
             assert 's2s_sessions_refused_total{reason="count"} 0.0' in metrics
+            # the conversations benchmark's late joiner (--late-joiner) reads the refusal as such
+            from benchmarks._conversations import late_joiner
+
+            joined = asyncio.run(late_joiner(url, 0.0))
+            assert (joined["admitted"], joined["code"]) == (False, "session_limit_reached"), joined
+            assert "io.target_ms=1" in joined["message"]
         until(lambda: server.open == 0, what="the session to end")
         assert _readyz(url) == (200, {"status": "ready", "sessions": 0}), "an empty server takes one"
     finally:
