@@ -50,7 +50,7 @@ Admission is by count only (``io.target_ms=null`` where the tree has it), so tha
 serves every conversation; ``--load-admission`` keeps the tree's own admission.
 
 ``--late-joiner S``: one more caller connects S seconds after the last client of each N started
-(the server then has room for it by count: io.max_sessions is the largest N + 1), and the run
+(in its first round; the server has room for it by count: io.max_sessions is the largest N + 1), and the run
 records what it met: admitted, or refused with the server's words (``session_limit_reached``:
 the server is full by load). It hangs up at once either way. With ``--load-admission`` and the
 default ``io.target_ms: auto``, run N=1 first (``--conversations 1 4 8``): the target is taken
