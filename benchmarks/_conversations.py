@@ -246,8 +246,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
         return out
     async with ws:
         first = json.loads(await ws.recv())
-        if first["type"] != "session.created":
-            code = first.get("error", {}).get("code", first["type"])
+        if (code := not_admitted(first)) is not None:
             if code == "session_limit_reached":
                 out["refused"] = 1
             else:
@@ -300,11 +299,16 @@ async def late_joiner(url: str, after_s: float) -> dict[str, Any]:
             first = json.loads(await asyncio.wait_for(ws.recv(), 30))
     except Exception as exc:  # noqa: BLE001 - what it met is the figure
         return {**out, "admitted": False, "code": f"connect: {type(exc).__name__}"}
-    if first.get("type") == "session.created":
+    if (code := not_admitted(first)) is None:
         return {**out, "admitted": True}
-    error = first.get("error") or {}
-    return {**out, "admitted": False, "code": error.get("code", first.get("type")),
-            "message": str(error.get("message", ""))[:400]}
+    return {**out, "admitted": False, "code": code, "message": str((first.get("error") or {}).get("message", ""))[:400]}
+
+
+def not_admitted(first: dict[str, Any]) -> str | None:
+    """The server's first event: None for a session, else why not (its error code)."""
+    if first.get("type") == "session.created":
+        return None
+    return (first.get("error") or {}).get("code", first.get("type"))
 
 
 # -- the server of one tree ------------------------------------------------------------------------
