@@ -238,7 +238,9 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
     from websockets.asyncio.client import connect
 
     await asyncio.sleep(k * args.stagger_s)
-    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": [], "gap_ms": [], "replies": []}
+    out: dict[str, Any] = {"v2v": [], "errors": [], "refused": 0, "reply_s": [], "gap_ms": [], "replies": [],
+                           "admit_s": []}
+    t_connect = time.monotonic()
     try:
         ws = await connect(f"{url}/realtime", max_size=None)
     except Exception as exc:
@@ -246,6 +248,7 @@ async def conversation(url: str, k: int, said: list[tuple[np.ndarray, float]], a
         return out
     async with ws:
         first = json.loads(await ws.recv())
+        out["admit_s"].append(time.monotonic() - t_connect)  # io.admission=wait: how long it was held
         if (code := not_admitted(first)) is not None:
             if code == "session_limit_reached":
                 out["refused"] = 1
@@ -285,7 +288,8 @@ async def conversations(url: str, n: int, said: list[tuple[np.ndarray, float]], 
     return {"v2v": [v for r in results for v in r["v2v"]], "errors": [e for r in results for e in r["errors"]],
             "refused": sum(r["refused"] for r in results), "reply_s": [v for r in results for v in r["reply_s"]],
             "gap_ms": [v for r in results for v in r["gap_ms"]],
-            "replies": [v for r in results for v in r["replies"]]}
+            "replies": [v for r in results for v in r["replies"]],
+            "admit_s": [v for r in results for v in r["admit_s"]]}
 
 
 async def late_joiner(url: str, after_s: float) -> dict[str, Any]:
@@ -498,6 +502,8 @@ def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], ar
                        "cpu_s_per_turn_by_stage": cpu_by_stage(before, after, turns),
                        "llama": llama_figures(llama0, llama1, turns), "host": host,
                        "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
+                       "admit_s": {"p50": round(percentile(got["admit_s"], 50), 2) if got["admit_s"] else None,
+                                   "max": round(max(got["admit_s"], default=0.0), 2)},
                        "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
                                 "max_ms": round(max(got["gap_ms"], default=0.0))}}
             if joined is not None:
@@ -561,6 +567,11 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                        else f"refused ({joined.get('code')}: {joined.get('message', '')})")
                 lines.append(f"- {t}, {n} conversation(s): a caller joining {joined['after_s']:g} s after the "
                              f"first client: {met}")
+    for t in trees:
+        for n in ns:
+            if (held := results[t][n].get("admit_s")) and held["max"] >= 0.5:
+                lines.append(f"- {t}, {n} conversation(s): held before admission (io.admission=wait): p50 "
+                             f"{held['p50']} s, max {held['max']} s; refused {results[t][n]['refused']}")
     for t in trees:
         ok = [n for n in ns if results[t][n]["p95"] is not None and results[t][n]["p95"] < 1000
               and not results[t][n]["errors"]]

@@ -154,6 +154,48 @@ def test_target_auto_is_this_machines_voice_to_voice_for_a_lone_caller_times_1_5
     assert "s2s_admission_target_seconds 1.95" in metrics.text().decode()
 
 
+def test_a_burst_of_newcomers_is_taken_in_a_few_at_a_time_until_their_load_shows():
+    open_now, clock = [0], Clock()
+    gate = admission(open_now, max_sessions=16, clock=clock, snapshot=lambda: {})
+    taken: list[str] = []
+
+    def arrive() -> str | None:
+        reason = gate.full()
+        if reason is None:
+            taken.append(f"s{len(taken)}")
+            gate.joined(taken[-1])
+            open_now[0] += 1
+        return reason
+
+    for _ in range(2):
+        gate.voice_to_voice(0.5)  # the replies so far are fast: nothing in the figures says full
+    assert [arrive() for _ in range(3)] == [None, None, "load"], "an idle server takes in 2 at once"
+    assert "2 session(s) joined in the last 20 s and have had no reply yet" in gate.explain("load")
+    assert "taken in 2 at a time" in gate.why("load"), gate.why("load")
+    for session in taken:
+        gate.voice_to_voice(0.6, session)  # their first replies: their load shows, and it is fine
+    assert [arrive() for _ in range(3)] == [None, None, "load"]
+    for session in taken[2:]:
+        gate.voice_to_voice(0.6, session)
+    assert [arrive() for _ in range(3)] == [None, None, "load"], "4 settled: max(2, half of 4)"
+    for session in taken[4:]:
+        gate.voice_to_voice(0.6, session)
+    assert [arrive() for _ in range(4)] == [None, None, None, "load"], "6 settled: 3 at a time"
+    clock.t += 21  # silent newcomers: after NEW_S as settled as they get
+    assert arrive() is None
+    gate.closed(taken[-1])
+    open_now[0] -= 1
+    assert not gate.newcomers
+    by_count = admission([3], max_sessions=16, target_ms=None)
+    for session in ("a", "b", "c"):
+        by_count.joined(session)
+    assert by_count.full() is None, "admission by count only: no ramp either"
+    auto = admission([3], max_sessions=16, target_ms="auto", clock=clock, snapshot=lambda: {})
+    for session in ("a", "b", "c"):
+        auto.joined(session)
+    assert auto.full() is None, "auto before a target is known: by count, as every other load verdict"
+
+
 def test_wait_holds_a_connection_until_a_session_ends_and_is_bounded():
     async def scenario() -> tuple[str | None, str | None]:
         open_now = [2]
@@ -271,5 +313,42 @@ def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(lla
             assert "io.target_ms=1" in joined["message"]
         until(lambda: server.open == 0, what="the session to end")
         assert _readyz(url) == (200, {"status": "ready", "sessions": 0}), "an empty server takes one"
+    finally:
+        server.stop()
+
+
+def test_a_burst_of_callers_is_taken_in_two_at_a_time_until_their_replies_show_the_load(llama, tmp_path):
+    for module in ("starlette", "uvicorn", "websockets", "faster_whisper", "piper", "onnxruntime"):
+        pytest.importorskip(module, reason="io=realtime on the offline stack: pip install 's2s-flow[serve,offline]'")
+    from websockets.sync.client import connect
+
+    from nodes.io.realtime.server import RealtimeServer
+
+    # a target no reply misses: only the ramp can refuse anyone here
+    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=16",
+                            f"llm.base_url={llama}", "io.max_sessions=8", "io.target_ms=60000"])
+    server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
+    url = server.start()
+    try:
+        with connect(f"{url}/realtime", open_timeout=10) as first, \
+                connect(f"{url}/realtime", open_timeout=10) as second:
+            ids = [json.loads(ws.recv(timeout=60))["session"]["id"] for ws in (first, second)]
+            assert sorted(server.admission.newcomers) == sorted(ids), "admitted, no reply yet: newcomers"
+            with connect(f"{url}/realtime", open_timeout=10) as third:
+                refused = json.loads(third.recv(timeout=60))
+            assert refused["type"] == "error" and refused["error"]["code"] == "session_limit_reached", refused
+            assert "2 session(s) joined in the last 20 s and have had no reply yet" in refused["error"]["message"]
+            status, ready = _readyz(url)
+            assert (status, ready["reason"]) == (503, "load") and "taken in 2 at a time" in ready["why"], ready
+            for chunk in _spoken("What is the capital of France?"):
+                first.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            while json.loads(first.recv(timeout=120))["type"] != "response.done":
+                pass
+            assert list(server.admission.newcomers) == [ids[1]], "the first session's reply showed its load"
+            with connect(f"{url}/realtime", open_timeout=10) as third:
+                assert json.loads(third.recv(timeout=60))["type"] == "session.created", "the next step is taken in"
+            assert 's2s_sessions_refused_total{reason="load"} 1.0' in _metrics(url)
+        until(lambda: server.open == 0, what="the sessions to end")
+        assert not server.admission.newcomers, "sessions that left are no newcomers"
     finally:
         server.stop()

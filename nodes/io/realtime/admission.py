@@ -16,6 +16,16 @@ room on a fast one, while on a 2-core AMD EPYC (family 25 model 1) one caller al
 such a server would refuse every second caller. Until a few replies to a lone caller are in
 (``AUTO_ALONE``), an auto target is not known and the server admits by count.
 
+Load to come: a session admitted in the last ``NEW_S`` seconds that has had no reply yet has not
+shown its load, and the figures above cannot see it; a burst of callers joining a server whose
+replies are fast would all be admitted on the strength of figures made before any of them spoke.
+So, while admission by load is on (a target is known), the server takes in newcomers a few at a
+time, like a balancer's slow start: at most ``RAMP_MIN`` (2) at once, or half as many as the
+sessions that have shown their load, whichever is more. A burst of 12 at an idle server is taken
+in as 2, 2, 2, 3 and the last 3, a step as each step's first replies come in (a few seconds a
+step), and every step is judged by the replies of the last (the rules above); callers joining a
+few seconds apart meet the ramp only when two have joined and neither has been answered yet.
+
 Full by load has hysteresis: once over the target, the server stays full until the load is back
 under ``RECOVER_SHARE`` of it (the median under 80 % of ``io.target_ms``, the queue wait under 80 %
 of its mark), or the figures have aged out, or no session is left. ``/readyz`` answers by the same
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +60,9 @@ RECENT_S = 60.0      # ... and none older than this: a load that has passed no l
 MIN_FIGURES = 2      # fewer figures than this say nothing about the load
 FIRST_WAIT_SHARE = 0.5  # full when confirmed work queues for more than this share of the target
 RECOVER_SHARE = 0.8     # once full by load, ready again only under this share of either mark
+NEW_S = 20.0         # a session admitted this recently with no reply yet has not shown its load
+RAMP_MIN = 2         # newcomers taken in at once, at least ...
+RAMP_SHARE = 0.5     # ... or this share of the sessions that have shown their load
 
 
 def inference_snapshot() -> dict[str, dict[str, Any]]:
@@ -93,16 +107,23 @@ class Admission:
         self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (when, voice-to-voice s)
         self.alone: deque[float] = deque(maxlen=RECENT)  # voice-to-voice s of replies to a lone session
         self._changed: asyncio.Event | None = None
+        self.newcomers: dict[str, float] = {}  # admitted, no reply yet: session id -> when admitted
         self.load = ""  # what made it full by load, the last time it was
         self.loaded = False  # full by load at the last verdict: the marks are RECOVER_SHARE lower
 
     # -- what the server tells it --------------------------------------------------------------
 
-    def voice_to_voice(self, seconds: float) -> None:
+    def joined(self, session: str) -> None:
+        """A session was admitted: a newcomer until its first reply (or for ``NEW_S``)."""
+        self.newcomers[session] = self.clock()
+
+    def voice_to_voice(self, seconds: float, session: str | None = None) -> None:
         """A live session's reply started ``seconds`` after its user stopped speaking (any thread)."""
         self.recent.append((self.clock(), seconds))
         if self.sessions() <= 1:
             self.alone.append(seconds)
+        if session is not None:
+            self.newcomers.pop(session, None)  # its load shows in the figures from now on
 
     def target_s(self) -> float | None:
         """The voice-to-voice budget in seconds: ``io.target_ms``, or for ``auto`` :data:`AUTO_FACTOR`
@@ -123,8 +144,10 @@ class Admission:
         return (f"io.target_ms={AUTO} ({target * 1000:.0f} ms: {AUTO_FACTOR:g} x the "
                 f"{target / AUTO_FACTOR * 1000:.0f} ms this machine gives one caller alone)")
 
-    def closed(self) -> None:
+    def closed(self, session: str | None = None) -> None:
         """A session ended: room for a waiting connection (on the server's loop)."""
+        if session is not None:
+            self.newcomers.pop(session, None)
         if self._changed is not None:
             self._changed.set()
 
@@ -142,7 +165,22 @@ class Admission:
             return "count"
         target = self.target_s()
         self.loaded = target is not None and bool(live) and self._over(target)
-        return "load" if self.loaded else None
+        return "load" if self.loaded or (target is not None and self._coming(live)) else None
+
+    def _coming(self, live: int) -> bool:
+        """Too many newcomers whose load has not shown yet: the ramp (see the module's docstring)."""
+        cutoff = self.clock() - NEW_S
+        for session, since in list(self.newcomers.items()):
+            if since < cutoff:
+                self.newcomers.pop(session, None)  # admitted NEW_S ago: as settled as it gets
+        new = min(len(self.newcomers), live)
+        allowed = max(RAMP_MIN, math.ceil(RAMP_SHARE * (live - new)))
+        if new < allowed:
+            return False
+        self.load = (f"{new} session(s) joined in the last {NEW_S:.0f} s and have had no reply yet, so their "
+                     f"load does not show in the figures; newcomers are taken in {allowed} at a time, "
+                     f"each step once the last has been answered")
+        return True
 
     def _over(self, target_s: float) -> bool:
         """Over the load marks (lowered to RECOVER_SHARE while it was full by load)."""

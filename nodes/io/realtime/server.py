@@ -306,6 +306,7 @@ class RealtimeServer:
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
         self.sessions[connection.session.id] = connection.session
+        self.admission.joined(connection.session.id)
         self.drain.add(connection)
 
     def release(self, connection: Any) -> None:
@@ -313,13 +314,13 @@ class RealtimeServer:
         if self.sessions.pop(connection.session.id, None) is not None:
             self.open -= 1
             self.metrics.sessions.dec()
-            self.admission.closed()
+            self.admission.closed(connection.session.id)
             trim_memory_soon()  # what its buffers left free in the heap, back to the OS (limits.py)
 
-    def observe(self, name: str, value: float) -> None:
+    def observe(self, name: str, value: float, session: str | None = None) -> None:
         """A session's figure (its metrics callback, any thread): to /metrics and to admission."""
         if name == "voice_to_voice_s":
-            self.admission.voice_to_voice(value)
+            self.admission.voice_to_voice(value, session)
         elif name == "turn" and self._loop is not None:  # a reply done: its buffers' pages back soon
             with contextlib.suppress(RuntimeError):  # the server's loop is gone: nothing to give back
                 self._loop.call_soon_threadsafe(trim_memory_soon)
@@ -344,7 +345,7 @@ class _Connection(Receiver):
         self.ended: tuple[int, str, str] | None = None  # the server closes the session: (close code, error, why)
         self.ending = asyncio.Event()
         self.rate = EventRate(server.options.max_events_per_s)
-        self.session = Session(self._emit, SessionConfig(), observe=server.observe)
+        self.session = Session(self._emit, SessionConfig(), observe=self._observe)
         self.handlers = ClientEvents(self.session, server.options.max_frame_bytes, first=self._start_graph)
         self._graph: tuple[Any, threading.Thread] | None = None  # the session's scheduler and its thread, once built
         self.done: asyncio.Future[BaseException | None] = self.loop.create_future()
@@ -354,6 +355,10 @@ class _Connection(Receiver):
         """The server closes this session (on its loop): it is told with an error event, then closed."""
         self.ended = (code, error, message)
         self.ending.set()
+
+    def _observe(self, name: str, value: float) -> None:
+        """The session's figures, to the server's metrics and admission, named by the session."""
+        self.server.observe(name, value, self.session.id)
 
     def _emit(self, text: str) -> None:
         """Session.send, from any thread: onto the loop, into the bounded queue."""
