@@ -55,6 +55,11 @@ records what it met: admitted, or refused with the server's words (``session_lim
 the server is full by load). It hangs up at once either way. With ``--load-admission`` and the
 default ``io.target_ms: auto``, run N=1 first (``--conversations 1 4 8``): the target is taken
 from the replies one caller alone gets.
+
+A burst: ``--stagger-s 0 --load-admission io.admission=wait io.admission_wait_s=40``: every client
+of a round calls at once, and the server holds those beyond its ramp of newcomers until earlier
+ones have been answered; the table says how long they were held (p50, max) and how many were
+refused in the end.
 """
 
 from __future__ import annotations
