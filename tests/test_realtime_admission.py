@@ -270,17 +270,22 @@ def _readyz(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(llama, tmp_path):
+def _server(llama: str, tmp_path, *overrides: str):
+    """A realtime server on the offline stack, started: (server, its ws:// URL)."""
     for module in ("starlette", "uvicorn", "websockets", "faster_whisper", "piper", "onnxruntime"):
         pytest.importorskip(module, reason="io=realtime on the offline stack: pip install 's2s-flow[serve,offline]'")
-    from websockets.sync.client import connect
-
     from nodes.io.realtime.server import RealtimeServer
 
     cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=16",
-                            f"llm.base_url={llama}", "io.max_sessions=4", "io.target_ms=1"])
+                            f"llm.base_url={llama}", *overrides])
     server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
-    url = server.start()
+    return server, server.start()
+
+
+def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(llama, tmp_path):
+    server, url = _server(llama, tmp_path, "io.max_sessions=4", "io.target_ms=1")
+    from websockets.sync.client import connect
+
     try:
         with connect(f"{url}/realtime", open_timeout=10) as ws:
             assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
@@ -318,17 +323,10 @@ def test_a_connection_beyond_what_the_live_sessions_allow_is_refused_by_load(lla
 
 
 def test_a_burst_of_callers_is_taken_in_two_at_a_time_until_their_replies_show_the_load(llama, tmp_path):
-    for module in ("starlette", "uvicorn", "websockets", "faster_whisper", "piper", "onnxruntime"):
-        pytest.importorskip(module, reason="io=realtime on the offline stack: pip install 's2s-flow[serve,offline]'")
+    # a target no reply misses: only the ramp can refuse anyone here
+    server, url = _server(llama, tmp_path, "io.max_sessions=8", "io.target_ms=60000")
     from websockets.sync.client import connect
 
-    from nodes.io.realtime.server import RealtimeServer
-
-    # a target no reply misses: only the ramp can refuse anyone here
-    cfg, choices = compose(["recipe=local_cpu", "server=null", "io=realtime", "io.port=0", "llm.max_tokens=16",
-                            f"llm.base_url={llama}", "io.max_sessions=8", "io.target_ms=60000"])
-    server = RealtimeServer(lambda: plan(cfg, choices), plan(cfg, choices).nodes["source"].node, tmp_path)
-    url = server.start()
     try:
         with connect(f"{url}/realtime", open_timeout=10) as first, \
                 connect(f"{url}/realtime", open_timeout=10) as second:
