@@ -30,11 +30,14 @@ CPU time of a fixed Python loop every 2 s, :class:`HostSpeed`: a shared host run
 slower in some minutes), how busy the cores were and how much time the hypervisor stole. Then the
 largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms`` per
 tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run (the
-table gives each p95's 90 % interval, a bootstrap over its turns), so compare trees over several
-runs pooled, alternating which tree goes first (``--pool A/conversations.json B/...`` prints the
-pooled figures). ``--min-turns T`` repeats each N with fresh conversations (other questions) until
+table gives each p95's 90 % interval, a bootstrap over its turns, and each N's p95 as a multiple of
+one conversation's with the ratio's interval), so compare trees over several runs pooled
+(``--pool A/conversations.json B/...`` prints the pooled figures). ``--min-turns T`` repeats each N with fresh conversations (other questions) until
 it has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio against 4
-conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure.
+conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure. The rounds
+of the N are interleaved, each N's spread around the run's middle (1 4 8 with 32 turns of 8: 1, 1,
+4, 8, 1, 1), so that a host running slower in one quarter of an hour than in the next slows every N
+alike; each N's figures are summed over its rounds.
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
@@ -43,9 +46,11 @@ tree) so that two trees are asked the same questions and give the same replies; 
 (``--seed -1``) one tree's replies may be twice as long as the other's, and so its CPU per turn.
 
 ``--server-tree PATH ...``: the same clients against the server started from each source tree
-(``s2s-run recipe=local_cpu io=realtime`` run with that tree on PYTHONPATH), one after the other in
-one run: before and after side by side. The server is started once per tree with io.max_sessions
-= the largest N, its llama-server on a free port (one already running elsewhere is not used).
+(``s2s-run recipe=local_cpu io=realtime`` run with that tree on PYTHONPATH), in one run: before and
+after side by side. Every tree's server is started at the outset, with io.max_sessions = the largest
+N and its own llama-server on a free port (one already running elsewhere is not used), and each
+round is run against every tree in turn, the trees' order swapped from round to round: the trees
+meet the same minutes of the host, as the N do (an idle server costs next to nothing meanwhile).
 Admission is by count only (``io.target_ms=null`` where the tree has it), so that every tree
 serves every conversation; ``--load-admission`` keeps the tree's own admission.
 
@@ -77,13 +82,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks._host import HostSpeed, host_load, host_ticks
-from benchmarks._stats import percentile, percentile_interval
+from benchmarks._host import HostSpeed, host_load, host_ticks, loop_figures
+from benchmarks._stats import percentile, percentile_interval, ratio_interval
 from s2s_flow.machine import cpu_label
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,6 +364,16 @@ def llama_figures(before: dict[str, float], after: dict[str, float], turns: int 
     prompt token (each slot's own time: a token decoded in a batch with others takes the batch's
     time), busy slots per decode and, given ``turns``, prompt and generated tokens per turn (what the
     slots' cached prefixes did not spare); {} where the server has no /metrics (an older tree's)."""
+    return llama_from(llama_delta(before, after), turns)
+
+
+_LLAMA_COUNTERS = ("tokens_predicted_total", "tokens_predicted_seconds_total", "prompt_tokens_total",
+                   "prompt_seconds_total", "n_decode_total", "n_busy_slots_per_decode")
+
+
+def llama_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What llama-server's counters added between two scrapes ({} without /metrics); summed over
+    several rounds, :func:`llama_from` gives their figures."""
     def total(scraped: dict[str, float], name: str) -> float:
         value = scraped.get(f"llamacpp:{name}{{}}", 0.0)
         if name == "n_busy_slots_per_decode":  # a gauge, the mean since the start: busy slots in all
@@ -368,9 +384,13 @@ def llama_figures(before: dict[str, float], after: dict[str, float], turns: int 
         return {}
     if total(after, "n_decode_total") < total(before, "n_decode_total"):
         before = {}  # restarted meanwhile (server.max_restarts): its counters began again
-    delta = {name: total(after, name) - total(before, name) for name in (
-        "tokens_predicted_total", "tokens_predicted_seconds_total", "prompt_tokens_total", "prompt_seconds_total",
-        "n_decode_total", "n_busy_slots_per_decode")}
+    return {name: total(after, name) - total(before, name) for name in _LLAMA_COUNTERS}
+
+
+def llama_from(delta: dict[str, float], turns: int = 0) -> dict[str, float]:
+    """The figures of :func:`llama_figures` from the counters' increase (:func:`llama_delta`)."""
+    if not delta:
+        return {}
     out = {}
     if tokens := delta["tokens_predicted_total"]:
         out["ms_per_token"] = round(1000 * delta["tokens_predicted_seconds_total"] / tokens, 1)
@@ -423,6 +443,11 @@ class TreeServer:
                     raise RuntimeError(f"the server from {tree} did not answer in 600 s; log: {self.log}") from None
                 time.sleep(0.5)
 
+    @property
+    def url(self) -> str:
+        """The Realtime API's base URL (``/v1``)."""
+        return f"ws://127.0.0.1:{self.port}/v1"
+
     def llama_metrics(self) -> dict[str, float]:
         """llama-server's ``/metrics`` now, {} where it has none."""
         try:
@@ -468,57 +493,115 @@ async def with_late_joiner(url: str, n: int, said: list[tuple[np.ndarray, float]
                                 late_joiner(url, (n - 1) * args.stagger_s + args.late_joiner))
 
 
-def run_tree(tree: Path, ns: list[int], said: list[tuple[np.ndarray, float]], args: argparse.Namespace,
-             out: Path) -> dict[int, dict[str, Any]]:
-    print(f"server from {tree} ...", file=sys.stderr, flush=True)
+def planned_rounds(ns: list[int], turns: int, min_turns: int) -> list[tuple[int, int]]:
+    """The rounds to run, as (N, its round number): each N as many as give it ``min_turns`` turns (at
+    least one), each N's spread over the run: its k-th of R at (k + 1/2) / R of the way, so every N's
+    turns come from the same hours on average (1 4 8 with 32 turns of 8: 1, 1, 4, 8, 1, 1). A shared
+    host runs 1.5-2x slower in some hours than others: one N taken after another, their ratio is as
+    much the host's drift as the load's."""
+    rounds = {n: max(1, -(-min_turns // (n * turns))) for n in ns}
+    return sorted(((n, k) for n in ns for k in range(rounds[n])), key=lambda nk: ((nk[1] + 0.5) / rounds[nk[0]], nk[0]))
+
+
+class Tally:
+    """One N's figures, summed over its rounds (other N's rounds may run between them)."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, Any] = {}
+        self.rounds = 0
+        self.server: dict[str, float] = {}  # the server's /metrics counters: what the rounds added
+        self.cpu = [0.0, 0.0]  # (Python process, llama-server) CPU seconds
+        self.llama: dict[str, float] = {}
+        self.ticks: list[int] = []
+        self.probes: list[float] = []
+        self.joined: dict[str, Any] | None = None
+
+    def round(self, server: TreeServer, play: Callable[[], tuple[dict, dict | None]]) -> None:
+        """Run one round (``play``) and add what it did."""
+        ticks0, before, cpu0, llama0 = host_ticks(), scrape(server.port), server.cpu_s(), server.llama_metrics()
+        with HostSpeed() as speed:
+            got, joined = play()
+        after, cpu1, llama1, ticks1 = scrape(server.port), server.cpu_s(), server.llama_metrics(), host_ticks()
+        self.got = {key: self.got[key] + got[key] for key in got} if self.got else got
+        self.joined = self.joined or joined
+        self.rounds += 1
+        for key, value in after.items():
+            self.server[key] = self.server.get(key, 0.0) + value - before.get(key, 0.0)
+        self.cpu = [self.cpu[0] + cpu1[0] - cpu0[0], self.cpu[1] + cpu1[1] - cpu0[1]]
+        for key, value in llama_delta(llama0, llama1).items():
+            self.llama[key] = self.llama.get(key, 0.0) + value
+        if len(ticks0) == len(ticks1) == 8:
+            self.ticks = [a + b - c for a, b, c in zip(self.ticks or [0] * 8, ticks1, ticks0, strict=True)]
+        self.probes += speed.samples
+
+    def row(self) -> dict[str, Any]:
+        got, turns = self.got, max(1, len(self.got["v2v"]))
+        row = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "p95_interval": interval(got["v2v"]),
+               "turns": len(got["v2v"]),
+               "rounds": self.rounds,
+               "errors": len(got["errors"]) + got["refused"], "refused": got["refused"],
+               "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind({}, self.server),
+               "cpu_s_per_turn": {"python": round(self.cpu[0] / turns, 2),
+                                  "llama_server": round(self.cpu[1] / turns, 2)},
+               "cpu_s_per_turn_by_stage": cpu_by_stage({}, self.server, turns),
+               "llama": llama_from(self.llama, turns),
+               "host": {**loop_figures(self.probes), **(host_load([0] * 8, self.ticks) if self.ticks else {})},
+               "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
+               "admit_s": {"p50": round(percentile(got["admit_s"], 50), 2) if got["admit_s"] else None,
+                           "max": round(max(got["admit_s"], default=0.0), 2)},
+               "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
+                        "max_ms": round(max(got["gap_ms"], default=0.0))}}
+        if self.joined is not None:
+            row["late_joiner"] = self.joined
+        return row
+
+
+def run_trees(trees: dict[str, Path], ns: list[int], said: list[tuple[np.ndarray, float]],
+              args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every tree's server started at once; then each round of the plan (:func:`planned_rounds`) is
+    run against every tree in turn, the trees' order swapped from one round to the next, so that the
+    trees, like the N, meet the same hours of the host. Between its rounds a server is idle."""
     joiner = 1 if args.late_joiner is not None else 0  # room for it by count: only load may refuse it
-    server = TreeServer(tree, max(ns) + joiner, args.overrides, out, args.load_admission)
-    rows = {}
+    servers: dict[str, TreeServer] = {}
     try:
-        url = f"ws://127.0.0.1:{server.port}/v1"
-        asyncio.run(conversations(url, 1, said[:1], argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
-        for n in ns:
-            print(f"  {n} conversation(s) ...", file=sys.stderr, flush=True)
-            settled(server.port)
-            ticks0 = host_ticks()
-            before, cpu0, llama0 = scrape(server.port), server.cpu_s(), server.llama_metrics()
-            with HostSpeed() as speed:
-                joined = None
-                if joiner:
-                    got, joined = asyncio.run(with_late_joiner(url, n, said, args))
-                else:
-                    got = asyncio.run(conversations(url, n, said, args))
-                rounds = 1
-                while len(got["v2v"]) < args.min_turns and got["v2v"]:  # fresh conversations, other questions
-                    settled(server.port)
-                    more = asyncio.run(conversations(url, n, said, args, rounds))
-                    got = {key: got[key] + more[key] for key in got}
-                    rounds += 1
-            after, cpu1, llama1 = scrape(server.port), server.cpu_s(), server.llama_metrics()
-            host = {**speed.figures(), **host_load(ticks0, host_ticks())}
-            turns = max(1, len(got["v2v"]))
-            rows[n] = {"p50": pct(got["v2v"], 50), "p95": pct(got["v2v"], 95), "p95_interval": interval(got["v2v"]),
-                       "turns": len(got["v2v"]),
-                       "rounds": rounds,
-                       "errors": len(got["errors"]) + got["refused"], "refused": got["refused"],
-                       "error_kinds": sorted(set(got["errors"])), "shed": shed_by_kind(before, after),
-                       "cpu_s_per_turn": {"python": round((cpu1[0] - cpu0[0]) / turns, 2),
-                                          "llama_server": round((cpu1[1] - cpu0[1]) / turns, 2)},
-                       "cpu_s_per_turn_by_stage": cpu_by_stage(before, after, turns),
-                       "llama": llama_figures(llama0, llama1, turns), "host": host,
-                       "reply_s_per_turn": round(sum(got["reply_s"]) / turns, 2),
-                       "admit_s": {"p50": round(percentile(got["admit_s"], 50), 2) if got["admit_s"] else None,
-                                   "max": round(max(got["admit_s"], default=0.0), 2)},
-                       "gaps": {"replies": sum(g > 0 for g in got["gap_ms"]), "p95_ms": pct(got["gap_ms"], 95),
-                                "max_ms": round(max(got["gap_ms"], default=0.0))}}
-            if joined is not None:
-                rows[n]["late_joiner"] = joined
-            print(f"  {n}: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
-            rows[n]["v2v_ms"] = [round(v, 1) for v in got["v2v"]]  # each turn's, to pool runs by
-            rows[n]["replies"] = got["replies"]
+        for i, (name, tree) in enumerate(trees.items()):
+            print(f"server from {tree} ...", file=sys.stderr, flush=True)
+            servers[name] = TreeServer(tree, max(ns) + joiner, args.overrides, args.out / f"tree{i}-{tree.name}",
+                                       args.load_admission)
+        for server in servers.values():  # the warm-up
+            asyncio.run(conversations(server.url, 1, said[:1], argparse.Namespace(**{**vars(args), "turns": 1})))
+        tallies = {name: {n: Tally() for n in ns} for name in servers}
+
+        def play(server: TreeServer, n: int, k: int) -> tuple[dict, dict | None]:
+            if joiner and k == 0:  # the late joiner joins each N's first round
+                return asyncio.run(with_late_joiner(server.url, n, said, args))
+            return asyncio.run(conversations(server.url, n, said, args, k)), None  # round k: its own questions
+
+        def one(name: str, n: int, k: int, label: str) -> None:
+            print(f"  {name}: {n} conversation(s), round {k + 1}{label} ...", file=sys.stderr, flush=True)
+            settled(servers[name].port)
+            tallies[name][n].round(servers[name], lambda: play(servers[name], n, k))
+
+        plan = planned_rounds(ns, args.turns, args.min_turns)
+        for i, (n, k) in enumerate(plan):
+            for name in list(servers)[:: 1 if i % 2 == 0 else -1]:
+                one(name, n, k, f" ({i + 1} of {len(plan)})")
+        for name, by_n in tallies.items():
+            for n, tally in by_n.items():
+                # a round that lost turns to errors: more until the N has its turns (none if a round got none)
+                while len(tally.got["v2v"]) < args.min_turns and tally.got["v2v"]:
+                    one(name, n, tally.rounds, " (more turns)")
     finally:
-        server.stop()
-    return rows
+        for server in servers.values():
+            server.stop()
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, by_n in tallies.items():
+        for n, tally in by_n.items():
+            row = results.setdefault(name, {})[n] = tally.row()
+            print(f"  {name}, {n}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            row["v2v_ms"] = [round(v, 1) for v in tally.got["v2v"]]  # each turn's, to pool runs by
+            row["replies"] = tally.got["replies"]
+    return results
 
 
 def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
@@ -578,10 +661,25 @@ def table(results: dict[str, dict[int, dict[str, Any]]], ns: list[int]) -> str:
                 lines.append(f"- {t}, {n} conversation(s): held before admission (io.admission=wait): p50 "
                              f"{held['p50']} s, max {held['max']} s; refused {results[t][n]['refused']}")
     for t in trees:
+        if line := against_one(t, {n: results[t][n].get("v2v_ms", []) for n in ns}):
+            lines.append(line)
+    for t in trees:
         ok = [n for n in ns if results[t][n]["p95"] is not None and results[t][n]["p95"] < 1000
               and not results[t][n]["errors"]]
         lines.append(f"- {t}: largest N with p95 < 1 s and no errors: {max(ok) if ok else 'none'}")
     return "\n".join(lines)
+
+
+def against_one(tree: str, v2v_ms: dict[int, list[float]]) -> str:
+    """Each N's p95 as a multiple of one conversation's, with the ratio's 90 % interval (a bootstrap
+    over both sets of turns); "" without a one-conversation round."""
+    base = v2v_ms.get(1)
+    parts = []
+    for n, values in v2v_ms.items():
+        if n != 1 and base and values:
+            lo, hi = ratio_interval(values, base, 95)
+            parts.append(f"{n} at once {percentile(values, 95) / percentile(base, 95):.2f}x ({lo:.2f}-{hi:.2f})")
+    return f"- {tree}: p95 against one conversation's (90 % interval): {', '.join(parts)}" if parts else ""
 
 
 def main(argv: list[str]) -> None:
@@ -589,7 +687,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--conversations", nargs="+", required=True, metavar="N",
                     help="numbers of conversations at once, e.g. 1 2 4 8")
     ap.add_argument("--server-tree", nargs="+", default=[str(ROOT)], metavar="PATH",
-                    help="source trees to start the server from, one after the other (default: this one)")
+                    help="source trees to start the servers from, each round run against each in turn "
+                         "(default: this one)")
     ap.add_argument("--turns", type=int, default=4, help="questions per conversation")
     ap.add_argument("--min-turns", type=int, default=0,
                     help="repeat each N with fresh conversations until it has this many turns (e.g. 32: one "
@@ -622,10 +721,8 @@ def main(argv: list[str]) -> None:
     ns = sorted({int(a) for a in args.conversations if "=" not in a})
     trees = [Path(a).expanduser().resolve() for a in args.server_tree if "=" not in a]
     said = questions()
-    results = {}
-    for i, tree in enumerate(trees):
-        name = tree.name if [t.name for t in trees].count(tree.name) == 1 else str(tree)
-        results[name] = run_tree(tree, ns, said, args, args.out / f"tree{i}-{tree.name}")
+    names = [tree.name if [t.name for t in trees].count(tree.name) == 1 else str(tree) for tree in trees]
+    results = run_trees(dict(zip(names, trees, strict=True)), ns, said, args)
     report = {"cpu": cpu_label(), "turns": args.turns, "min_turns": args.min_turns, "stagger_s": args.stagger_s,
               "seed": args.seed, "trees": {
         name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
@@ -656,6 +753,8 @@ def pooled(paths: list[Path], ns: list[int]) -> str:
                 span = interval(v)
                 lines.append(f"| {tree} ({runs[tree]}) | {n} | {len(v)} | {pct(v, 50)} / {pct(v, 95)} | "
                              f"{span[0]}-{span[1]} |")
+    lines.append("")
+    lines += [line for tree, by_n in turns.items() if (line := against_one(tree, by_n))]
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["HostSpeed", "host_load", "host_ticks"]
+__all__ = ["HostSpeed", "host_load", "host_ticks", "loop_figures"]
 
 
 def host_ticks() -> list[int]:
@@ -77,7 +77,12 @@ class HostSpeed:
 
     def figures(self) -> dict[str, float]:
         """``loop_ms``: the loop's median CPU ms, ``loop_ms_range``: its fastest and slowest; {} if none."""
-        if not self.samples:
-            return {}
-        return {"loop_ms": round(float(np.median(self.samples)), 1),
-                "loop_ms_range": [min(self.samples), max(self.samples)], "probes": len(self.samples)}
+        return loop_figures(self.samples)
+
+
+def loop_figures(samples: list[float]) -> dict[str, float]:
+    """:meth:`HostSpeed.figures` of these samples (several runs' pooled)."""
+    if not samples:
+        return {}
+    return {"loop_ms": round(float(np.median(samples)), 1),
+            "loop_ms_range": [min(samples), max(samples)], "probes": len(samples)}

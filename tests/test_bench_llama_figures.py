@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._conversations import llama_figures, scrape
+from benchmarks._conversations import llama_delta, llama_figures, llama_from, scrape
 from tests.support.fixtures import llama_server_binary, smollm2_gguf  # noqa: F401
 from tests.support.servers import running_llama_server
 
@@ -57,3 +57,8 @@ def test_the_figures_show_requests_decoded_alone_and_side_by_side(
     per_turn = llama_figures(alone, together, turns=2)  # two requests: two turns' worth
     assert per_turn["tokens_per_turn"] == TOKENS, per_turn
     assert 0 < per_turn["prompt_tokens_per_turn"] < 16, per_turn  # "The sea is", "A good book is": a few tokens
+    # an N's rounds with other N's between them: the counters' increases summed over its rounds
+    rounds = [llama_delta(start, alone), llama_delta(alone, together)]
+    summed = {name: sum(d[name] for d in rounds) for name in rounds[0]}
+    assert llama_from(summed, turns=3) == pytest.approx(llama_figures(start, together, turns=3), abs=0.11)
+    assert 1.0 < llama_from(summed)["slots_per_decode"] < second["slots_per_decode"]
