@@ -31,13 +31,13 @@ slower in some minutes), how busy the cores were and how much time the hyperviso
 largest N whose p95 < 1 s. ``conversations.json`` keeps every turn's voice-to-voice (``v2v_ms`` per
 tree and N): on 2 cores one run's p95 of a few dozen turns moves by 200-700 ms from run to run (the
 table gives each p95's 90 % interval, a bootstrap over its turns, and each N's p95 as a multiple of
-one conversation's with the ratio's interval), so compare trees over several runs pooled
-(``--pool A/conversations.json B/...`` prints the pooled figures). ``--min-turns T`` repeats each N with fresh conversations (other questions) until
-it has T turns: one conversation's p95 of 8 turns is their slowest but one, a ratio against 4
-conversations' p95 of 32 turns is then mostly the noise of the one-conversation figure. The rounds
-of the N are interleaved, each N's spread around the run's middle (1 4 8 with 32 turns of 8: 1, 1,
-4, 8, 1, 1), so that a host running slower in one quarter of an hour than in the next slows every N
-alike; each N's figures are summed over its rounds.
+one conversation's with the ratio's interval), so compare trees over several runs pooled (``--pool
+A/conversations.json B/...`` prints the pooled figures). ``--min-turns T`` repeats each N with fresh
+conversations (other questions) until it has T turns: one conversation's p95 of 8 turns is their
+slowest but one, a ratio against 4 conversations' p95 of 32 turns is then mostly the noise of the
+one-conversation figure. The rounds of the N are interleaved, each N's spread around the run's
+middle (1 4 8 with 32 turns of 8: 1, 1, 4, 8, 1, 1), so that a host running slower in one quarter of
+an hour than in the next slows every N alike; each N's figures are summed over its rounds.
 
 CPU per turn follows the replies' length: the LLM's tokens, the TTS's audio, and the time the
 session stays open while its client listens (an open session's microphone stream, VAD and event
