@@ -359,21 +359,13 @@ def shed_by_kind(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: v for k, v in out.items() if v}
 
 
-def llama_figures(before: dict[str, float], after: dict[str, float], turns: int = 0) -> dict[str, float]:
-    """llama-server's decoding between two scrapes of its ``/metrics``: ms per generated token and per
-    prompt token (each slot's own time: a token decoded in a batch with others takes the batch's
-    time), busy slots per decode and, given ``turns``, prompt and generated tokens per turn (what the
-    slots' cached prefixes did not spare); {} where the server has no /metrics (an older tree's)."""
-    return llama_from(llama_delta(before, after), turns)
-
-
 _LLAMA_COUNTERS = ("tokens_predicted_total", "tokens_predicted_seconds_total", "prompt_tokens_total",
                    "prompt_seconds_total", "n_decode_total", "n_busy_slots_per_decode")
 
 
 def llama_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What llama-server's counters added between two scrapes ({} without /metrics); summed over
-    several rounds, :func:`llama_from` gives their figures."""
+    """What llama-server's counters added between two scrapes of its ``/metrics`` ({} where the
+    server has none: an older tree's); one round's, or several rounds' summed, go to :func:`llama_from`."""
     def total(scraped: dict[str, float], name: str) -> float:
         value = scraped.get(f"llamacpp:{name}{{}}", 0.0)
         if name == "n_busy_slots_per_decode":  # a gauge, the mean since the start: busy slots in all
@@ -388,7 +380,10 @@ def llama_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 
 def llama_from(delta: dict[str, float], turns: int = 0) -> dict[str, float]:
-    """The figures of :func:`llama_figures` from the counters' increase (:func:`llama_delta`)."""
+    """llama-server's decoding from its counters' increase (:func:`llama_delta`): ms per generated
+    token and per prompt token (each slot's own time: a token decoded in a batch with others takes the
+    batch's time), busy slots per decode and, given ``turns``, prompt and generated tokens per turn
+    (what the slots' cached prefixes did not spare); {} without figures."""
     if not delta:
         return {}
     out = {}
@@ -426,7 +421,7 @@ class TreeServer:
         out.mkdir(parents=True, exist_ok=True)
         self.log = out / "server-stdout.log"
         env = {**os.environ, "PYTHONPATH": str(tree), "NO_PROXY": "127.0.0.1,localhost",
-               "LLAMA_ARG_ENDPOINT_METRICS": "1"}  # llama-server's /metrics (llama_figures)
+               "LLAMA_ARG_ENDPOINT_METRICS": "1"}  # llama-server's /metrics (llama_delta)
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600

@@ -4,7 +4,7 @@ On a shared host the same vCPU runs 1.8-4x slower in some minutes than in others
 compared with another only beside these figures::
 
     before = host_ticks(); ...; host_load(before, host_ticks())   # {"busy_pct": .., "stolen_pct": ..}
-    with HostSpeed() as speed: ...; speed.figures()                # {"loop_ms": .., ...}
+    with HostSpeed() as speed: ...; loop_figures(speed.samples)    # {"loop_ms": .., ...}
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class HostSpeed:
     ms in one minute, 29.4 and 37-84 ms in later ones), and the hypervisor's steal time does not show
     it (0 %): a neighbour on the same physical core or memory, most likely. A latency taken in a slow
     minute is compared with one taken in a fast minute only beside these figures.
-    ``with HostSpeed() as host: ...; host.figures()``."""
+    ``with HostSpeed() as host: ...; loop_figures(host.samples)``."""
 
     def __init__(self, interval_s: float = 2.0) -> None:
         self.interval_s = interval_s
@@ -75,13 +75,10 @@ class HostSpeed:
         out, _ = self._proc.communicate(timeout=30)
         self.samples = [float(x) for x in out.split()]
 
-    def figures(self) -> dict[str, float]:
-        """``loop_ms``: the loop's median CPU ms, ``loop_ms_range``: its fastest and slowest; {} if none."""
-        return loop_figures(self.samples)
-
 
 def loop_figures(samples: list[float]) -> dict[str, float]:
-    """:meth:`HostSpeed.figures` of these samples (several runs' pooled)."""
+    """:class:`HostSpeed` samples (of one block, or several pooled) as ``loop_ms``: the loop's median
+    CPU ms, ``loop_ms_range``: its fastest and slowest, and ``probes``; {} if none."""
     if not samples:
         return {}
     return {"loop_ms": round(float(np.median(samples)), 1),

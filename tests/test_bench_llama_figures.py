@@ -1,5 +1,5 @@
 """bench_realtime.py --conversations reads llama-server's own figures from its /metrics
-(benchmarks/_conversations.py: llama_figures), turned on by the environment the benchmark gives the
+(benchmarks/_conversations.py: llama_delta, llama_from), turned on by the environment the benchmark gives the
 server: a real llama-server (SmolLM2-135M, two slots, one thread) serves one request alone, then two
 at once, and the figures between the scrapes say so."""
 
@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._conversations import llama_delta, llama_figures, llama_from, scrape
+from benchmarks._conversations import llama_delta, llama_from, scrape
 from tests.support.fixtures import llama_server_binary, smollm2_gguf  # noqa: F401
 from tests.support.servers import running_llama_server
+
+
+def llama_figures(before: dict[str, float], after: dict[str, float], turns: int = 0) -> dict[str, float]:
+    return llama_from(llama_delta(before, after), turns)
 
 TOKENS = 24
 
