@@ -81,6 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -419,7 +420,7 @@ class TreeServer:
             args.append("io.target_ms=null")
         self.argv = [sys.executable, "-m", "s2s_flow.cli", *args, *overrides]
         out.mkdir(parents=True, exist_ok=True)
-        self.log = out / "server-stdout.log"
+        self.out, self.log = out, out / "server-stdout.log"
         env = {**os.environ, "PYTHONPATH": str(tree), "NO_PROXY": "127.0.0.1,localhost",
                "LLAMA_ARG_ENDPOINT_METRICS": "1"}  # llama-server's /metrics (llama_delta)
         with self.log.open("wb") as log:
@@ -443,12 +444,19 @@ class TreeServer:
         """The Realtime API's base URL (``/v1``)."""
         return f"ws://127.0.0.1:{self.port}/v1"
 
-    def llama_metrics(self) -> dict[str, float]:
-        """llama-server's ``/metrics`` now, {} where it has none."""
-        try:
-            return scrape(self.llama_port)
-        except (OSError, ValueError):
-            return {}
+    def llama_metrics(self) -> list[dict[str, float]]:
+        """The ``/metrics`` of each llama-server replica now (server.replicas), {} where it has none."""
+        ports = [self.llama_port]
+        with contextlib.suppress(OSError, ValueError):  # an older tree's server.json has no replicas
+            info = json.loads((self.out / "server.json").read_text())
+            ports += [urllib.parse.urlsplit(r["url"]).port for r in info.get("replicas", [])]
+        scraped = []
+        for port in ports:
+            try:
+                scraped.append(scrape(port))
+            except (OSError, ValueError):
+                scraped.append({})
+        return scraped
 
     def cpu_s(self) -> tuple[float, float]:
         """(this server's Python process, its children: llama-server) CPU seconds so far."""
@@ -523,8 +531,9 @@ class Tally:
         for key, value in after.items():
             self.server[key] = self.server.get(key, 0.0) + value - before.get(key, 0.0)
         self.cpu = [self.cpu[0] + cpu1[0] - cpu0[0], self.cpu[1] + cpu1[1] - cpu0[1]]
-        for key, value in llama_delta(llama0, llama1).items():
-            self.llama[key] = self.llama.get(key, 0.0) + value
+        for replica0, replica1 in zip(llama0, llama1, strict=False):
+            for key, value in llama_delta(replica0, replica1).items():
+                self.llama[key] = self.llama.get(key, 0.0) + value
         if len(ticks0) == len(ticks1) == 8:
             self.ticks = [a + b - c for a, b, c in zip(self.ticks or [0] * 8, ticks1, ticks0, strict=True)]
         self.probes += speed.samples

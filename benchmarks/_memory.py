@@ -76,13 +76,12 @@ def memory_mb(pid: int) -> dict[str, float]:
     return {k.lower(): round(fields[k], 1) for k in ("Rss", "Pss", "Anonymous")}
 
 
-def llama_child(pid: int) -> int | None:
+def llama_children(pid: int) -> list[int]:
+    """The llama-server processes ``pid`` started: one, or one per replica (server.replicas)."""
     import psutil
 
-    for child in psutil.Process(pid).children(recursive=True):
-        if "llama-server" in child.name() or any("llama-server" in a for a in child.cmdline()[:1]):
-            return child.pid
-    return None
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)
+            if "llama-server" in child.name() or any("llama-server" in a for a in child.cmdline()[:1])]
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
@@ -98,8 +97,9 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"nothing answered {url} within {timeout_s} s")
 
 
-def measure(server_pid: int, llama_pid: int) -> dict[str, Any]:
-    s, m = memory_mb(server_pid), memory_mb(llama_pid)
+def measure(server_pid: int, llama_pids: list[int]) -> dict[str, Any]:
+    s, copies = memory_mb(server_pid), [memory_mb(pid) for pid in llama_pids]
+    m = {k: round(sum(c[k] for c in copies), 1) for k in s}  # PSS shares the model's pages between them
     return {"server": s, "llama": m, "total": {k: round(s[k] + m[k], 1) for k in s}}
 
 
@@ -271,13 +271,13 @@ def main(argv: list[str]) -> None:
            f"io.max_sessions={largest}", "io.target_ms=null", "io.idle_timeout_s=3600",
            f"llm.base_url=http://127.0.0.1:{llm_port}/v1", f"hydra.run.dir={args.out / 'run'}", *args.overrides]
     report: dict[str, Any] = {"cpu": cpu_label(), "load_before": os.getloadavg()[0],
-                              "llama_slots": largest + 1, "llama_ctx": recipe_ctx(largest, args.overrides)}
+                              **recipe_llama(largest, args.overrides)}
     with (args.out / "s2s-run.log").open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", 300, proc)
-        llama = llama_child(proc.pid)
-        if llama is None:
+        llama = llama_children(proc.pid)
+        if not llama:
             raise RuntimeError("s2s-run started no llama-server (one already answering was used?)")
         levels_out = asyncio.run(sessions_run(f"ws://127.0.0.1:{port}/v1/realtime", levels, prompts,
                                               args.settle_s, (proc.pid, llama), args.turnover))
@@ -294,14 +294,16 @@ def main(argv: list[str]) -> None:
     print(table(report), file=sys.stderr)
 
 
-def recipe_ctx(sessions: int, overrides: list[str]) -> int:
-    """The recipe's llama-server -c with io.max_sessions=sessions."""
+def recipe_llama(sessions: int, overrides: list[str]) -> dict[str, int]:
+    """The recipe's llama-server with io.max_sessions=sessions: -np and -c of each replica, and how many."""
     from s2s_flow.compose import compose
     from s2s_flow.model_server_spec import ServerSpec
 
     cfg, _ = compose(["recipe=local_cpu", "io=realtime", f"io.max_sessions={sessions}", *overrides])
-    argv = ServerSpec.from_config(cfg.server).argv(lambda: "llama-server")
-    return int(argv[argv.index("-c") + 1])
+    spec = ServerSpec.from_config(cfg.server)
+    argv = spec.argv(lambda: "llama-server")
+    return {"llama_slots": int(argv[argv.index("-np") + 1]), "llama_ctx": int(argv[argv.index("-c") + 1]),
+            "llama_replicas": spec.replicas}
 
 
 

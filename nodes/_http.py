@@ -215,6 +215,13 @@ class RemoteClient:
     def __repr__(self) -> str:
         return f"RemoteClient({self.base_url!r}, api_key={self._key!r})"
 
+    def move_to(self, base_url: str) -> None:
+        """Send every request to ``base_url``: another port of the same host (a replica of the
+        server, s2s_flow.model_server_spec); before the connection is opened."""
+        if urlsplit(base_url).hostname != self.host or self._http is not None:
+            raise ValueError(f"move_to({base_url!r}): only to the same host ({self.host}), before open()")
+        self.base_url = base_url.rstrip("/")
+
     # -- lifecycle --------------------------------------------------------------------
 
     def open(self, *, warm_up: bool = True) -> list[str]:

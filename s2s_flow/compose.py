@@ -58,8 +58,15 @@ def sessions_at_once(root: DictConfig) -> int:
     return int(value) if value is not None else 1
 
 
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _llama_slots(extra: int = 0, *, _root_: DictConfig) -> int:
-    return sessions_at_once(_root_) + int(extra)
+    replicas = int(OmegaConf.select(_root_, "server.replicas", default=None) or 1)
+    return -(-sessions_at_once(_root_) // replicas) + int(extra)
 
 
 def _llama_ctx(per_slot: int, extra: int = 0, *, _root_: DictConfig) -> int:
@@ -67,19 +74,23 @@ def _llama_ctx(per_slot: int, extra: int = 0, *, _root_: DictConfig) -> int:
 
 
 def _llama_threads(many: int, *, _root_: DictConfig) -> int:
-    import os
+    return -1 if sessions_at_once(_root_) < int(many) else max(1, _cores() // 2)
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return -1 if sessions_at_once(_root_) < int(many) else max(1, cores // 2)
+
+def _llama_replicas(many: int, *, _root_: DictConfig) -> int:
+    return 1 if sessions_at_once(_root_) < int(many) or _cores() < 2 else 2
 
 
 # ${s2s.llama_threads:MANY}: llama-server's -t for this run: every core (-1) for fewer than MANY
 # sessions at once, half of them (at least 1) for MANY or more, where its threads' spin-waits for each
 # other on a busy machine cost more than a second thread gains (benchmarks/bench_realtime.py
-# --conversations; the figures are in the recipe that uses it).
+# --conversations; the figures are in the recipe that uses it). ${s2s.llama_replicas:MANY}: its
+# server.replicas, 1, or 2 for MANY sessions or more (two copies, each on half the cores, decode side
+# by side without waiting for each other).
 # ${s2s.llama_slots:EXTRA}: llama-server's -np for this run, one slot per session served at once
-# (sessions_at_once) plus EXTRA (e.g. 1 for the text turn scorer's requests); ${s2s.llama_ctx:
-# PER_SLOT,EXTRA}: its -c, the total context, so that each of those slots keeps PER_SLOT tokens.
+# (sessions_at_once), shared out over server.replicas, plus EXTRA (e.g. 1 for the text turn scorer's
+# requests); ${s2s.llama_ctx:PER_SLOT,EXTRA}: its -c, the total context, so that each of those slots
+# keeps PER_SLOT tokens.
 # Resolved into server.command, so the command printed is the command run.
 if not OmegaConf.has_resolver("s2s.llama_slots"):
     OmegaConf.register_new_resolver("s2s.llama_slots", _llama_slots)
@@ -87,6 +98,8 @@ if not OmegaConf.has_resolver("s2s.llama_ctx"):
     OmegaConf.register_new_resolver("s2s.llama_ctx", _llama_ctx)
 if not OmegaConf.has_resolver("s2s.llama_threads"):
     OmegaConf.register_new_resolver("s2s.llama_threads", _llama_threads)
+if not OmegaConf.has_resolver("s2s.llama_replicas"):
+    OmegaConf.register_new_resolver("s2s.llama_replicas", _llama_replicas)
 
 
 def conf_dir() -> Path:

@@ -35,9 +35,9 @@ from s2s_flow import redact
 from s2s_flow.errors import S2SError, Stopped
 from s2s_flow.model_server_spec import ServerSpec
 from s2s_flow.server_causes import explain, last_start
-from s2s_flow.server_watch import Watch, restarts, running, slots_of
+from s2s_flow.server_watch import Watch, replicas_of, restarts, running, slots_of
 
-__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "restarts", "slots_of"]
+__all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "replicas_of", "restarts", "slots_of"]
 
 log = logging.getLogger("s2s_flow.model_server")
 
@@ -163,6 +163,7 @@ class ServerHandle:
     log: str | None = None
     ready_s: float | None = None  # start to ready, when started
     models: list[str] = field(default_factory=list)
+    replicas: list[ServerHandle] = field(default_factory=list)  # the other copies (server.replicas)
 
     def info(self) -> dict[str, Any]:
         return asdict(self)
@@ -386,53 +387,78 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
     """Make the recipe's server answer its ready_url for the duration of the block.
 
     Yields None when there is no ``server:`` block, else a ServerHandle saying whether the
-    server was started here (and is stopped on the way out) or was already running.
+    server was started here (and is stopped on the way out) or was already running. With
+    ``server.replicas`` above 1 each copy is started on its own port, one after the other, and the
+    handle lists the others under ``replicas`` (a first copy found running is used alone).
     """
     if cfg_server is None:
         yield None
         return
     spec = ServerSpec.from_config(cfg_server)
     run_dir = Path(run_dir)
-    with _Signals() as signals:
-        starter = _Starter(spec, run_dir, console, signals)
-        proc: subprocess.Popen | None = None
-        watch: Watch | None = None
+    with _Signals() as signals, contextlib.ExitStack() as stack:
         try:
-            handle = _attach(spec, starter)
-            if handle is None:
-                argv = spec.argv(_binary(spec))
-                _executable(argv, spec)
-                what = f"{Path(argv[0]).name} on {spec.host}:{spec.port}"
-                proc, log_path = starter.start(argv)
-                ready_s = starter.wait_ready(proc, log_path, what)
-                models = _model_ids(spec, _probe(spec.ready_url).body) or []
-                if spec.model and models and not _same_model(spec.model, models):
-                    log.warning("the server started for %s lists the model as %s", spec.model, models[0])
-                handle = ServerHandle(spec.ready_url, True, redact.argv(argv), proc.pid, str(log_path),
-                                      round(ready_s, 3), models)
-                _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
-                if spec.max_restarts:
-                    watch = _watch(spec, run_dir, argv, proc, handle)
-                running(spec.host, spec.port, spec.slots)
+            copies = [_Copy(spec.replica(0), run_dir, console, signals, stack)]
+            if copies[0].handle.started:  # one found running is used alone, as is
+                copies += [_Copy(spec.replica(i), run_dir, console, signals, stack) for i in range(1, spec.replicas)]
+            handle = copies[0].handle
+            handle.replicas = [c.handle for c in copies[1:]]
+            if all(c.handle.started for c in copies):  # no other process sends them requests
+                running(spec.host, spec.ports, spec.slots)
+                stack.callback(running, spec.host, spec.ports, None)
+            for copy in copies:
+                copy.watch(run_dir, handle)
             _write_info(run_dir, handle)
             signals.mode = "raise"
             if signals.caught:  # a signal between the last check and here
                 raise Stopped(f"stopped by {signals.caught}")
             yield handle
         finally:
-            signals.mode = "hold"
-            if proc is not None:
-                running(spec.host, spec.port, None)
-            if watch is not None:
-                proc = watch.stop()  # the last process it started
-            if proc is not None:
-                _stop(proc, spec.stop_timeout_s)
-                starter.log_complete()
-                log.debug("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
+            signals.mode = "hold"  # the copies are stopped on the way out of the stack, last first
+
+
+class _Copy:
+    """One copy of the server: found running, or started here and stopped when ``stack`` closes."""
+
+    def __init__(self, spec: ServerSpec, run_dir: Path, console: Any, signals: _Signals,
+                 stack: contextlib.ExitStack) -> None:
+        self.spec = spec
+        self.starter = starter = _Starter(spec, run_dir, console, signals)
+        self.proc: subprocess.Popen | None = None
+        self._watch: Watch | None = None
+        found = _attach(spec, starter)
+        if found is not None:
+            self.handle = found
+            return
+        self.argv = argv = spec.argv(_binary(spec))
+        _executable(argv, spec)
+        what = f"{Path(argv[0]).name} on {spec.host}:{spec.port}"
+        self.proc, log_path = starter.start(argv)
+        stack.callback(self._stop)
+        ready_s = starter.wait_ready(self.proc, log_path, what)
+        models = _model_ids(spec, _probe(spec.ready_url).body) or []
+        if spec.model and models and not _same_model(spec.model, models):
+            log.warning("the server started for %s lists the model as %s", spec.model, models[0])
+        self.handle = ServerHandle(spec.ready_url, True, redact.argv(argv), self.proc.pid, str(log_path),
+                                   round(ready_s, 3), models)
+        _say(console, f"started {what} in {ready_s:.1f} s (log: {log_path})")
+
+    def watch(self, run_dir: Path, root: ServerHandle) -> None:
+        """Restart this copy, if started here, when it exits or stops answering (``root``: the
+        handle server.json is written from)."""
+        if self.proc is not None and self.spec.max_restarts:
+            self._watch = _watch(self.spec, run_dir, self.argv, self.proc, self.handle, root)
+
+    def _stop(self) -> None:
+        proc = self._watch.stop() if self._watch is not None else self.proc  # the last one it started
+        if proc is not None:
+            _stop(proc, self.spec.stop_timeout_s)
+            self.starter.log_complete()
+            log.debug("stopped the server (pid %d, exit %s)", proc.pid, proc.returncode)
 
 
 def _watch(spec: ServerSpec, run_dir: Path, argv: list[str], proc: subprocess.Popen,
-           handle: ServerHandle) -> Watch:
+           handle: ServerHandle, root: ServerHandle) -> Watch:
     """Restart the server started here if it exits or stops answering, until the run ends."""
     stopping = threading.Event()
     starter = _Starter(spec, run_dir, None, _Until(stopping))
@@ -452,7 +478,7 @@ def _watch(spec: ServerSpec, run_dir: Path, argv: list[str], proc: subprocess.Po
 
     def ready(started: subprocess.Popen) -> None:
         starter.wait_ready(started, run_dir / spec.log, name)
-        _write_info(run_dir, handle)
+        _write_info(run_dir, root)
 
     def stop_proc(old: subprocess.Popen) -> None:
         _stop(old, spec.stop_timeout_s)

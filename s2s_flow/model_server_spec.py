@@ -12,9 +12,11 @@ starts and stops the server it describes)::
       restart_backoff_s: 1     # the wait before the first try, doubled for each next (at most 30 s)
       slots: 9                 # its parallel slots (llama-server -np), when started here: each session
                                # of this process is given one of its own (s2s_flow.model_server.slots_of)
+      replicas: 2              # copies started side by side, on the port of ready_url and the next
+                               # ones, each with `slots` slots; each session keeps to one of them
 
 Placeholders in ``command``: ``{llama_server}`` (s2s_flow.llama_server.find_llama_server),
-``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url``.
+``{model}``, and ``{host}`` / ``{port}`` taken from ``ready_url`` (a replica's own port).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import difflib
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -34,7 +36,7 @@ from s2s_flow.errors import ConfigError, answer_within
 __all__ = ["ServerSpec"]
 
 _KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env", "max_restarts",
-         "health_interval_s", "health_failures", "restart_backoff_s", "slots"}
+         "health_interval_s", "health_failures", "restart_backoff_s", "slots", "replicas"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ServerSpec:
     health_failures: int = 3
     restart_backoff_s: float = 1.0
     slots: int | None = None
+    replicas: int = 1
 
     @classmethod
     def from_config(cls, cfg: Any) -> ServerSpec:
@@ -89,6 +92,14 @@ class ServerSpec:
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise ConfigError(f"server.slots={slots!r} must be the server's number of parallel slots (llama-server "
                               "-np), at least 1, or null (the server places each request itself)")
+        replicas = data.get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"server.replicas={replicas!r} must be a whole number >= 1: the copies of the server "
+                              "started side by side, each on a port of its own")
+        if replicas > 1 and not any("{port}" in str(a) for a in command):
+            raise ConfigError(f"server.replicas={replicas} starts {replicas} copies of the server, but server.command "
+                              "names no {port}: each copy must listen on a port of its own (e.g. --port {port}); "
+                              "add it, or set server.replicas=1")
         env = data.get("env") or {}
         if not isinstance(env, dict):
             raise ConfigError(f"server.env={env!r} must be a mapping of environment variables")
@@ -106,6 +117,7 @@ class ServerSpec:
             health_failures=int(data.get("health_failures", cls.health_failures)),
             restart_backoff_s=float(data.get("restart_backoff_s", cls.restart_backoff_s)),
             slots=slots,
+            replicas=replicas,
         )
 
     @property
@@ -116,6 +128,21 @@ class ServerSpec:
     def port(self) -> int:
         parts = urlsplit(self.ready_url)
         return parts.port or (443 if parts.scheme == "https" else 80)
+
+    @property
+    def ports(self) -> list[int]:
+        """The port of each replica: ready_url's, then the next ones."""
+        return [self.port + i for i in range(self.replicas)]
+
+    def replica(self, index: int) -> ServerSpec:
+        """The spec of one replica: its own port in ready_url, and its own log beside the first's."""
+        if self.replicas == 1:
+            return self
+        parts = urlsplit(self.ready_url)
+        netloc = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self.port + index}"
+        stem, dot, ext = self.log.rpartition(".")
+        log = self.log if index == 0 else (f"{stem}-{index}.{ext}" if dot else f"{self.log}-{index}")
+        return replace(self, ready_url=urlunsplit(parts._replace(netloc=netloc)), log=log, replicas=1)
 
     @property
     def models_url(self) -> str:

@@ -9,8 +9,8 @@ back is answered. After the last try fails the watch gives up (logged) and turns
 
 s2s_flow/model_server.py starts the watch for a server it started itself (one that was already
 running is not its to restart) and hands it how to probe, start and stop the server. It also notes
-here the slots of each server it runs (:func:`slots_of`): no other process sends that server
-requests, so each session may keep a slot of its own.
+here the slots of each server it runs (:func:`slots_of`) and its replicas (:func:`replicas_of`): no
+other process sends that server requests, so each session may keep a slot of its own.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from s2s_flow.errors import S2SError, Stopped
 
-__all__ = ["Watch", "restarts", "running", "slots_of", "BACKOFF_CAP_S"]
+__all__ = ["Watch", "replicas_of", "restarts", "running", "slots_of", "BACKOFF_CAP_S"]
 
 log = logging.getLogger("s2s_flow.model_server")
 
@@ -39,15 +39,22 @@ def restarts() -> dict[str, int]:
 
 
 _SLOTS: dict[tuple[str, int], int] = {}  # (host, port) -> server.slots, of the servers this process runs
+_REPLICAS: dict[tuple[str, int], tuple[int, ...]] = {}  # (host, first port) -> every replica's port
 
 
-def running(host: str, port: int, slots: int | None) -> None:
-    """The server started here on ``host:port`` runs with ``slots`` (None: it stopped, or names none)."""
+def running(host: str, ports: Sequence[int], slots: int | None) -> None:
+    """The server started here on ``host`` runs on ``ports`` (its replicas, the first one's port
+    first), each with ``slots`` (None: it stopped, or names none)."""
     with _LOCK:
+        for port in ports:
+            if slots:
+                _SLOTS[(host, port)] = slots
+            else:
+                _SLOTS.pop((host, port), None)
         if slots:
-            _SLOTS[(host, port)] = slots
+            _REPLICAS[(host, ports[0])] = tuple(ports)
         else:
-            _SLOTS.pop((host, port), None)
+            _REPLICAS.pop((host, ports[0]), None)
 
 
 def slots_of(host: str, port: int) -> int | None:
@@ -55,6 +62,13 @@ def slots_of(host: str, port: int) -> int | None:
     (a server used as is may serve other processes too: its slots are not this process' to hand out)."""
     with _LOCK:
         return _SLOTS.get((host, port))
+
+
+def replicas_of(host: str, port: int) -> tuple[int, ...]:
+    """The ports of every replica of the server whose first port is ``port``, while this process runs
+    it (server.replicas); ``(port,)`` for a server of one copy, or one not started here."""
+    with _LOCK:
+        return _REPLICAS.get((host, port), (port,))
 
 
 def _count(name: str) -> None:

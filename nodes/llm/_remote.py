@@ -190,6 +190,7 @@ class RemoteLLM(LLMBase):
     def setup(self) -> None:
         self.client.log = self.ctx.log
         if self.slot.take() is not None:
+            self.client.move_to(self.slot.url(self.client.base_url))  # its replica (server.replicas)
             self.ctx.log.debug("the conversation keeps slot %d of the server at %s", self.slot.id, self.client.base_url)
         self.ctx.progress(f"connecting to {self.client.base_url}")
         try:

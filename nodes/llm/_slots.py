@@ -13,15 +13,18 @@ off (``--cache-ram 0``).
 
 Sessions take the lowest free slot; the highest is left for the end-of-turn scorer's short requests
 (``vad.turn=text|hybrid``): the recipes start llama-server with one slot more than the sessions they
-admit. More sessions than slots: the extra ones name none (the server places them, as before).
+admit. More sessions than slots: the extra ones name none (the server places them, as before). A
+server started as several replicas (``server.replicas``; s2s_flow.model_server.replicas_of): each
+session keeps to the replica with the fewest sessions, and all its requests (the reply, the prompt
+prepared after it, the end-of-turn scores) go to that replica's port.
 """
 
 from __future__ import annotations
 
 import threading
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
-from s2s_flow.model_server import slots_of
+from s2s_flow.model_server import replicas_of, slots_of
 
 __all__ = ["SessionSlot", "scorer_slot"]
 
@@ -35,33 +38,51 @@ def _server(base_url: str) -> tuple[str, int]:
 
 
 class SessionSlot:
-    """One session's slot on the server at ``base_url``, or None (``id``) when it has none to take."""
+    """One session's slot on the server at ``base_url``, or None (``id``) when it has none to take;
+    on a server of several replicas, on the one with the fewest sessions (``port``)."""
 
     def __init__(self, base_url: str) -> None:
         self.server = _server(base_url)
+        self.port = self.server[1]
         self.id: int | None = None
 
     def take(self) -> int | None:
-        slots = slots_of(*self.server)
-        if slots is None or self.id is not None:
+        if self.id is not None:
             return self.id
+        host, first = self.server
         with _LOCK:
-            taken = _TAKEN.setdefault(self.server, set())
-            free = [k for k in range(max(1, slots - 1)) if k not in taken]
-            if free:
-                self.id = free[0]
-                taken.add(self.id)
+            best: tuple[int, int, int] | None = None  # (sessions on it, port, its lowest free slot)
+            for port in replicas_of(host, first):
+                slots = slots_of(host, port)
+                if slots is None:
+                    continue
+                taken = _TAKEN.setdefault((host, port), set())
+                free = [k for k in range(max(1, slots - 1)) if k not in taken]
+                if free and (best is None or len(taken) < best[0]):
+                    best = (len(taken), port, free[0])
+            if best is not None:
+                _, self.port, self.id = best
+                _TAKEN[(host, self.port)].add(self.id)
         return self.id
+
+    def url(self, base_url: str) -> str:
+        """``base_url`` (the server's first replica) on the port of the replica this session keeps to."""
+        parts = urlsplit(base_url)
+        if _server(base_url)[1] == self.port:
+            return base_url
+        host = parts.netloc if parts.port is None else parts.netloc.rsplit(":", 1)[0]
+        return urlunsplit(parts._replace(netloc=f"{host}:{self.port}"))
 
     def give_back(self) -> None:
         if self.id is None:
             return
         with _LOCK:
-            _TAKEN.get(self.server, set()).discard(self.id)
-        self.id = None
+            _TAKEN.get((self.server[0], self.port), set()).discard(self.id)
+        self.id, self.port = None, self.server[1]
 
 
 def scorer_slot(base_url: str) -> int | None:
-    """The slot the end-of-turn scores go to: the server's last (None: the server places them)."""
+    """The slot the end-of-turn scores go to: the last of the server (replica) at ``base_url``
+    (None: the server places them)."""
     slots = slots_of(*_server(base_url))
     return None if slots is None else slots - 1

@@ -99,6 +99,8 @@ class ChatCompletionsLLM(RemoteLLM):
         super().setup()
         turn_text_of(self.ctx).scorer = "llm=chat"  # until the server shows it has no such endpoints
         self._scorer.client.log = self.ctx.log
+        self._scorer.client.move_to(self.slot.url(self._scorer.client.base_url))  # the session's replica
+        self._preparer.move_to(self.slot.url(self._preparer.base_url))
         self._scorer.slot = scorer_slot(self.client.base_url)
 
     def process(self, port: str, msg: Message) -> Iterator[TextDelta]:
