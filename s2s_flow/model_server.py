@@ -6,147 +6,40 @@ otherwise it is started in its own session, logged to ``server.log`` in the run 
 ``--api-key`` it was given shows as ``***`` there), and stopped (process group: TERM, then
 KILL) on exit, on error and on SIGINT/SIGTERM. While the run goes on, a server started here is
 watched and restarted if it exits or stops answering (s2s_flow/server_watch.py). A server that
-fails to start is explained by what its log says went wrong (s2s_flow/server_causes.py).
+fails to start is explained by what its log says went wrong (s2s_flow/server_causes.py). What
+answers ``ready_url``, and whether it is the expected server, is asked by s2s_flow/server_probe.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import logging
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from s2s_flow import redact
-from s2s_flow.errors import S2SError, Stopped
+from s2s_flow.errors import Stopped
 from s2s_flow.model_server_spec import ServerSpec
 from s2s_flow.server_causes import explain, last_start
+from s2s_flow.server_probe import ServerError, check_identity, model_ids, probe_url, same_model
 from s2s_flow.server_watch import Watch, replicas_of, restarts, running, slots_of
 
 __all__ = ["ServerError", "ServerHandle", "ServerSpec", "managed_server", "replicas_of", "restarts", "slots_of"]
 
 log = logging.getLogger("s2s_flow.model_server")
 
-_PROBE_TIMEOUT_S = 1.0
 _POLL_S = 0.1
-# Loopback probes must never go through an http_proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class ServerError(S2SError):
-    """The model server could not be used: missing binary, port taken, died, never ready."""
-
-
-# -- probing ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Probe:
-    state: str  # free | loading | ready | foreign
-    detail: str = ""
-    body: bytes = b""
-
-
-def _get(url: str, timeout: float = _PROBE_TIMEOUT_S) -> tuple[int, bytes]:
-    """(status, body) of a GET; raises OSError/HTTPException when nothing HTTP answers."""
-    try:
-        with _OPENER.open(url, timeout=timeout) as resp:
-            return resp.status, resp.read(1 << 20)
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read(1 << 16) if exc.fp else b""
-
-
-def _probe(url: str) -> _Probe:
-    try:
-        status, body = _get(url)
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, ConnectionRefusedError | FileNotFoundError):
-            return _Probe("free")
-        if isinstance(reason, socket.gaierror):
-            raise ServerError(f"server.ready_url={url}: cannot resolve its host ({reason})") from None
-        return _Probe("foreign", f"{type(reason).__name__}: {reason}")
-    except ConnectionRefusedError:
-        return _Probe("free")
-    except (http.client.HTTPException, OSError) as exc:  # garbage, reset, or silence
-        return _Probe("foreign", f"{type(exc).__name__}: {exc}".rstrip(": "))
-    if status == 200:
-        return _Probe("ready", body=body)
-    if status in (401, 403):
-        return _Probe("ready", f"HTTP {status}: it wants an API key", body)
-    if status == 503:
-        return _Probe("loading", _short(body))
-    return _Probe("foreign", f"HTTP {status} {_short(body)}".strip())
-
-
-def _short(body: bytes, limit: int = 160) -> str:
-    text = body.decode("utf-8", "replace").strip().replace("\n", " ")
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _model_ids(spec: ServerSpec, ready_body: bytes) -> list[str] | None:
-    """Model ids the server lists, or None when it has no OpenAI-style listing."""
-    body = ready_body
-    if spec.models_url != spec.ready_url:
-        try:
-            status, body = _get(spec.models_url, timeout=5.0)
-        except (OSError, http.client.HTTPException):
-            return None
-        if status in (401, 403):
-            return []  # a listing exists but needs a key: nothing to compare
-        if status != 200:
-            return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        return None
-    ids = []
-    for item in data["data"]:
-        if isinstance(item, dict):
-            ids += [str(item.get("id", ""))] + [str(a) for a in item.get("aliases") or ()]
-    return list(dict.fromkeys(i for i in ids if i))
-
-
-def _same_model(expected: str, ids: list[str]) -> bool:
-    """llama-server lists the -m path or the -hf repo; vLLM the served name."""
-    path = Path(expected)
-    keys = {expected, path.name, path.stem, expected.rstrip("/").split("/")[-1]}
-    keys = {k.lower() for k in keys if k}
-    return any(k in i.lower() for i in ids for k in keys)
-
-
-def _check_identity(spec: ServerSpec, probe: _Probe) -> list[str]:
-    ids = _model_ids(spec, probe.body)
-    if ids is None:
-        raise ServerError(
-            f"something answers {spec.ready_url} but it is not the expected server: "
-            f"{spec.models_url} has no OpenAI-style model listing. Stop whatever listens on "
-            f"{spec.host}:{spec.port}, or move this server to a free port (e.g. "
-            f"llm.base_url=http://{spec.host}:<port>/v1)"
-        )
-    if spec.model and ids and not _same_model(spec.model, ids):
-        raise ServerError(
-            f"the server at {spec.host}:{spec.port} serves {', '.join(ids[:3])}, not "
-            f"{spec.model}. Stop it, move this recipe to a free port (llm.base_url=http://"
-            f"{spec.host}:<port>/v1), or use the running server as it is with server=null"
-        )
-    return ids
 
 
 # -- running ---------------------------------------------------------------------------
@@ -334,7 +227,7 @@ class _Starter:
                     raise Stopped(f"stopped by {self.signals.caught} while {what} was starting")
                 if proc is not None and proc.poll() is not None:
                     self._died(proc, log_path, what)
-                probe = _probe(spec.ready_url)
+                probe = probe_url(spec.ready_url)
                 if probe.state == "ready":
                     return elapsed
                 if probe.state == "foreign" and proc is None:
@@ -436,8 +329,8 @@ class _Copy:
         self.proc, log_path = starter.start(argv)
         stack.callback(self._stop)
         ready_s = starter.wait_ready(self.proc, log_path, what)
-        models = _model_ids(spec, _probe(spec.ready_url).body) or []
-        if spec.model and models and not _same_model(spec.model, models):
+        models = model_ids(spec, probe_url(spec.ready_url).body) or []
+        if spec.model and models and not same_model(spec.model, models):
             log.warning("the server started for %s lists the model as %s", spec.model, models[0])
         self.handle = ServerHandle(spec.ready_url, True, redact.argv(argv), self.proc.pid, str(log_path),
                                    round(ready_s, 3), models)
@@ -466,7 +359,7 @@ def _watch(spec: ServerSpec, run_dir: Path, argv: list[str], proc: subprocess.Po
 
     def probe() -> str | None:
         try:
-            found = _probe(spec.ready_url)
+            found = probe_url(spec.ready_url)
         except ServerError as exc:
             return str(exc)
         return None if found.state == "ready" else (found.detail or found.state)
@@ -490,7 +383,7 @@ def _watch(spec: ServerSpec, run_dir: Path, argv: list[str], proc: subprocess.Po
 
 def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:
     """A handle on a server that already answers ready_url, None if the port is free."""
-    probe = _probe(spec.ready_url)
+    probe = probe_url(spec.ready_url)
     if probe.state == "free":
         return None
     if probe.state == "foreign":
@@ -501,8 +394,8 @@ def _attach(spec: ServerSpec, starter: _Starter) -> ServerHandle | None:
         )
     if probe.state == "loading":  # started by hand or by another job: let it finish
         starter.wait_ready(None, None, f"the server already running at {spec.host}:{spec.port}")
-        probe = _probe(spec.ready_url)
-    models = _check_identity(spec, probe)
+        probe = probe_url(spec.ready_url)
+    models = check_identity(spec, probe)
     names = ", ".join(Path(m).name for m in models[:2]) or "model not listed"
     _say(starter.console, f"using the server already running at {spec.ready_url} ({names}); "
                           "not starting one, not stopping it")

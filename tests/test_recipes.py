@@ -112,13 +112,17 @@ def _flag(argv: list[str], flag: str) -> int:
 @pytest.mark.parametrize(("name", "per_slot", "extra"), [("local_cpu", 1536, 1), ("llamacpp_gemma4", 32768, 1),
                                                          ("llamacpp_audio", 8192, 0)])
 def test_llama_server_recipes_give_each_realtime_session_a_slot_of_the_same_context(name, per_slot, extra):
-    """io=realtime: -np io.max_sessions (+1 for the text turn scorer where there is STT), -c the
-    slots' total so that each keeps the context it has in a one-session run."""
+    """io=realtime: -np io.max_sessions (+1 for the text turn scorer where there is STT), shared out
+    over the replicas (server.replicas), -c the slots' total so that each keeps the context it has in
+    a one-session run."""
     for overrides, sessions in (([], 1), (["io=realtime"], 8), (["io=realtime", "io.max_sessions=3"], 3)):
         cfg, _ = _composed(name, *overrides)
-        argv = ServerSpec.from_config(cfg.server).argv(lambda: "llama-server")
-        assert _flag(argv, "-np") == sessions + extra, (overrides, argv)
-        assert _flag(argv, "-c") == per_slot * (sessions + extra), (overrides, argv)
+        spec = ServerSpec.from_config(cfg.server)
+        argv = spec.argv(lambda: "llama-server")
+        slots = -(-sessions // spec.replicas) + extra
+        assert _flag(argv, "-np") == slots == spec.slots, (overrides, argv)
+        assert _flag(argv, "-c") == per_slot * slots, (overrides, argv)
+        assert spec.replicas * (slots - extra) >= sessions
 
 
 def test_command_line_choices_beat_the_recipe_and_server_null_turns_it_off():
