@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from s2s_flow.errors import ConfigError, answer_within
 
-__all__ = ["ServerSpec"]
+__all__ = ["ServerSpec", "on_port"]
 
 _KEYS = {"command", "model", "ready_url", "start_timeout_s", "stop_timeout_s", "log", "env", "max_restarts",
          "health_interval_s", "health_failures", "restart_backoff_s", "slots", "replicas"}
@@ -138,11 +138,9 @@ class ServerSpec:
         """The spec of one replica: its own port in ready_url, and its own log beside the first's."""
         if self.replicas == 1:
             return self
-        parts = urlsplit(self.ready_url)
-        netloc = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self.port + index}"
         stem, dot, ext = self.log.rpartition(".")
         log = self.log if index == 0 else (f"{stem}-{index}.{ext}" if dot else f"{self.log}-{index}")
-        return replace(self, ready_url=urlunsplit(parts._replace(netloc=netloc)), log=log, replicas=1)
+        return replace(self, ready_url=on_port(self.ready_url, self.port + index), log=log, replicas=1)
 
     @property
     def models_url(self) -> str:
@@ -169,6 +167,15 @@ class ServerSpec:
                 arg = arg.replace("{" + key + "}", value)
             out.append(arg)
         return out
+
+
+def on_port(url: str, port: int) -> str:
+    """``url`` with its port set to ``port`` (a replica's URL from the first one's)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    userinfo = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}{host}:{port}"))
 
 
 def _resolve(cfg: Any) -> Any:

@@ -21,7 +21,7 @@ from nodes.llm.chat import ChatCompletionsLLM
 from s2s_flow.compose import compose
 from s2s_flow.errors import ConfigError
 from s2s_flow.model_server import managed_server
-from s2s_flow.model_server_spec import ServerSpec
+from s2s_flow.model_server_spec import ServerSpec, on_port
 from s2s_flow.server_watch import running
 from tests.support.managed import processes_with, wait_until
 from tests.support.remote_llm import llm_node, text_of, turn
@@ -75,6 +75,7 @@ def test_replicas_need_a_port_each(tmp_path):
     second = spec.replica(1)
     assert (second.port, second.log, second.argv(str)[-1]) == (8092, "server-1.log", "8092")
     assert spec.ports == [8091, 8092]
+    assert on_port("http://[::1]:8091/v1/models", 8092) == "http://[::1]:8092/v1/models"
 
 
 def test_each_session_keeps_to_the_replica_with_the_fewest_sessions():

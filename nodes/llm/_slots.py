@@ -22,9 +22,10 @@ prepared after it, the end-of-turn scores) go to that replica's port.
 from __future__ import annotations
 
 import threading
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from s2s_flow.model_server import replicas_of, slots_of
+from s2s_flow.model_server_spec import on_port
 
 __all__ = ["SessionSlot", "scorer_slot"]
 
@@ -67,11 +68,7 @@ class SessionSlot:
 
     def url(self, base_url: str) -> str:
         """``base_url`` (the server's first replica) on the port of the replica this session keeps to."""
-        parts = urlsplit(base_url)
-        if _server(base_url)[1] == self.port:
-            return base_url
-        host = parts.netloc if parts.port is None else parts.netloc.rsplit(":", 1)[0]
-        return urlunsplit(parts._replace(netloc=f"{host}:{self.port}"))
+        return base_url if _server(base_url)[1] == self.port else on_port(base_url, self.port)
 
     def give_back(self) -> None:
         if self.id is None:
