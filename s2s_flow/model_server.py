@@ -293,7 +293,10 @@ def managed_server(cfg_server: Any, run_dir: Path, *, console: Any = None) -> It
         try:
             copies = [_Copy(spec.replica(0), run_dir, console, signals, stack)]
             if copies[0].handle.started:  # one found running is used alone, as is
-                copies += [_Copy(spec.replica(i), run_dir, console, signals, stack) for i in range(1, spec.replicas)]
+                copies += [_Copy(spec.replica(i), run_dir, console, signals, stack,
+                                 f"it is copy {i + 1} of server.replicas={spec.replicas}, on the port after the "
+                                 f"first's: free port {spec.port + i}, or start one copy with server.replicas=1")
+                           for i in range(1, spec.replicas)]
             handle = copies[0].handle
             handle.replicas = [c.handle for c in copies[1:]]
             if all(c.handle.started for c in copies):  # no other process sends them requests
@@ -314,12 +317,17 @@ class _Copy:
     """One copy of the server: found running, or started here and stopped when ``stack`` closes."""
 
     def __init__(self, spec: ServerSpec, run_dir: Path, console: Any, signals: _Signals,
-                 stack: contextlib.ExitStack) -> None:
+                 stack: contextlib.ExitStack, replica: str = "") -> None:
         self.spec = spec
         self.starter = starter = _Starter(spec, run_dir, console, signals)
         self.proc: subprocess.Popen | None = None
         self._watch: Watch | None = None
-        found = _attach(spec, starter)
+        try:
+            found = _attach(spec, starter)
+        except ServerError as exc:  # a later copy's port taken: the count is the other way out
+            if not replica:
+                raise
+            raise ServerError(f"{exc}; {replica}") from None
         if found is not None:
             self.handle = found
             return

@@ -6,10 +6,12 @@ the end. Real llama-server, real SmolLM2."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,7 @@ from nodes.llm._slots import SessionSlot, scorer_slot
 from nodes.llm.chat import ChatCompletionsLLM
 from s2s_flow.compose import compose
 from s2s_flow.errors import ConfigError
-from s2s_flow.model_server import managed_server
+from s2s_flow.model_server import ServerError, managed_server
 from s2s_flow.model_server_spec import ServerSpec, on_port
 from s2s_flow.server_watch import running
 from tests.support.managed import processes_with, wait_until
@@ -130,3 +132,31 @@ def test_two_replicas_serve_their_own_sessions_and_one_that_dies_comes_back_alon
         b.close()
     assert "$ " in (tmp_path / "server-1.log").read_text()  # each copy logs apart
     assert not processes_with(f"--port\0{port}\0") and not processes_with(f"--port\0{port + 1}\0")
+
+
+def test_a_second_copys_port_taken_by_another_server_is_refused_naming_the_count(llama_server_binary, smollm2_gguf,
+                                                                                 tmp_path: Path):
+    port = _free_pair()
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", port + 1), _NotFound)  # something else's port
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    cfg, _ = compose(["recipe=local_cpu", "io=realtime", "io.max_sessions=4", "server.replicas=2",
+                      f"llm.base_url=http://127.0.0.1:{port}/v1"])
+    try:
+        with pytest.raises(ServerError) as err, managed_server(cfg.server, tmp_path):
+            pass
+    finally:
+        other.shutdown()
+        other.server_close()
+    said = str(err.value)
+    assert f"127.0.0.1:{port + 1} is taken by something that is not the expected server" in said, said
+    assert "copy 2 of server.replicas=2" in said and "server.replicas=1" in said and f"port {port + 1}" in said
+    assert not answers(port), "the first copy, started before, is stopped again"
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
