@@ -10,8 +10,8 @@ at once; a call waits for a slot in the order of its kind, then its deadline:
   confirmed kind the moment the turn is confirmed (:meth:`Session.confirm`), queued or not;
 - ``partial``: live partial transcripts.
 
-A ``later`` call runs at a lower CPU priority (:func:`run_as`: a thread of its own at ``nice``
-:data:`LATER_NICE`, on Linux): it has slack, and when the cores are short the operating system gives
+A ``later`` call runs at a lower CPU priority (:func:`run_as`: on a thread :data:`LATER_NICE` below
+the process' ``nice``, on Linux): it has slack, and when the cores are short the operating system gives
 them to what a listener waits for first, in this process and beside it (a local LLM server).
 
 Under load (a ``speculative`` or ``partial`` call that waited ``shed_after_s`` for a slot) the call
@@ -333,6 +333,7 @@ def run_as(kind: str, call: Callable[[], T], *, stage: str) -> T:
         return call()
     with _POOLS_LOCK:
         pool = _POOLS.get(stage)
-        if pool is None:  # threads start as needed: no more than the model's slots run at once
-            pool = _POOLS[stage] = ThreadPoolExecutor(max_workers=32, initializer=_lowered, initargs=(stage,))
+        if pool is None:  # threads start as needed, one per core at most (a voice has no more slots)
+            pool = _POOLS[stage] = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, initializer=_lowered,
+                                                      initargs=(stage,))
     return pool.submit(call).result()
