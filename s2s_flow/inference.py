@@ -10,9 +10,12 @@ at once; a call waits for a slot in the order of its kind, then its deadline:
   confirmed kind the moment the turn is confirmed (:meth:`Session.confirm`), queued or not;
 - ``partial``: live partial transcripts.
 
-A ``later`` call runs at a lower CPU priority (:func:`run_as`: on a thread :data:`LATER_NICE` below
-the process' ``nice``, on Linux): it has slack, and when the cores are short the operating system gives
-them to what a listener waits for first, in this process and beside it (a local LLM server).
+A ``later`` call begun while first work is in flight (:data:`critical`) runs at a lower CPU
+priority (:func:`run_as`: on a thread :data:`LATER_NICE` below the process' ``nice``, on Linux): it
+has slack, and while the cores are short the operating system gives them to what a listener waits
+for first, in this process and beside it (a local LLM server's first tokens). Begun when no one
+waits for first words, it runs as before: nothing more urgent would gain, and a low priority would
+let work with no listener at all (a reply written ahead) starve it.
 
 Under load (a ``speculative`` or ``partial`` call that waited ``shed_after_s`` for a slot) the call
 is shed: it leaves the queue, is counted per kind and logged, and its caller gets :class:`Shed`,
@@ -324,12 +327,12 @@ def _lowered(stage: str) -> None:
 
 
 def run_as(kind: str, call: Callable[[], T], *, stage: str) -> T:
-    """``call()`` for work of ``kind`` (as a slot ran it): ``later`` work on a thread of ``stage``'s
-    at nice :data:`LATER_NICE` (Linux; named ``node:<stage>`` like the stage's own threads, so its CPU
-    is counted with the stage's), the rest here, at once. The caller waits for it either way, holding
-    its slot: only the priority changes, so a later sentence is made as fast as before on an idle core
-    and after a listener's first words on a busy one."""
-    if kind != "later" or not LATER_NICE or not sys.platform.startswith("linux"):
+    """``call()`` for work of ``kind`` (as a slot ran it): ``later`` work begun while first work is in
+    flight on a thread of ``stage``'s at nice :data:`LATER_NICE` (Linux; named ``node:<stage>`` like the
+    stage's own threads, so its CPU is counted with the stage's), the rest here, at once. The caller
+    waits for it either way, holding its slot: only the priority changes, so a later sentence is made
+    as fast as before on an idle core and after a listener's first words on a busy one."""
+    if kind != "later" or not critical.busy() or not LATER_NICE or not sys.platform.startswith("linux"):
         return call()
     with _POOLS_LOCK:
         pool = _POOLS.get(stage)

@@ -391,7 +391,7 @@ class SentenceTTS(Node, Voiced):
             try:
                 with self.inference_slot(kind, turn=turn, deadline=deadline,
                                          cancelled=lambda: self.interrupted(turn)) as ran:
-                    # a later piece at a lower CPU priority: a listener's first words go first
+                    # a later piece at a lower CPU priority while a listener's first words are made
                     return run_as(ran, lambda: next(stream, _END), stage=self.ctx.name)
             except Cancelled:  # a barge-in while it waited
                 return _END
