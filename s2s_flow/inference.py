@@ -314,10 +314,11 @@ _POOLS: dict[str, ThreadPoolExecutor] = {}
 
 
 def _lowered(stage: str) -> None:
-    """A later-work thread: named as its stage's (its CPU is the stage's: s2s_flow/cpu.py), and
-    :data:`LATER_NICE` below the process (Linux: this thread only; at most 19)."""
+    """A later-work thread: named ``later:<stage>`` (its CPU is the stage's: s2s_flow/cpu.py; not a
+    node's thread, which ends with its session), :data:`LATER_NICE` below the process (Linux: this
+    thread only; at most 19)."""
     me = threading.current_thread()
-    me.name = f"node:{stage}"
+    me.name = f"later:{stage}"
     me.later_worker = True  # type: ignore[attr-defined]  # idle between calls: not a stuck thread at exit (cli)
     tid = threading.get_native_id()
     try:
@@ -328,8 +329,8 @@ def _lowered(stage: str) -> None:
 
 def run_as(kind: str, call: Callable[[], T], *, stage: str) -> T:
     """``call()`` for work of ``kind`` (as a slot ran it): ``later`` work begun while first work is in
-    flight on a thread of ``stage``'s at nice :data:`LATER_NICE` (Linux; named ``node:<stage>`` like the
-    stage's own threads, so its CPU is counted with the stage's), the rest here, at once. The caller
+    flight on a thread of ``stage``'s at nice :data:`LATER_NICE` (Linux; named ``later:<stage>``, its CPU
+    counted with the stage's), the rest here, at once. The caller
     waits for it either way, holding its slot: only the priority changes, so a later sentence is made
     as fast as before on an idle core and after a listener's first words on a busy one."""
     if kind != "later" or not critical.busy() or not LATER_NICE or not sys.platform.startswith("linux"):

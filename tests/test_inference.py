@@ -222,7 +222,7 @@ def test_later_work_begun_while_first_words_are_made_runs_at_a_lower_cpu_priorit
         for kind in ("first", "speculative", "partial"):  # on the caller's thread, at its priority, at once
             assert seen[kind] == here, kind
         lowered, name, tid = seen["later"]
-        assert lowered == min(19, base + inference.LATER_NICE) and name == "node:tts-x" and tid != me
+        assert lowered == min(19, base + inference.LATER_NICE) and name == "later:tts-x" and tid != me
         assert nice() == base, "the caller's own priority is left as it was"
         assert inference.run_as("later", threading.get_native_id, stage="tts-x") == tid  # the same thread again
         worker = next(t for t in threading.enumerate() if t.native_id == tid)
