@@ -121,10 +121,9 @@ def _exit(code: int) -> None:
     download, which nothing can stop): Python would wait for it at exit (non-daemon threads,
     and every thread-pool worker, daemon or not: a worker started by a daemon setup thread is a
     daemon too, and concurrent.futures joins it at exit), so flush and leave at once. The recipe
-    server and the run dir were seen to on the way here. The workers of later inference work
-    (s2s_flow/inference.py: run_as) are idle by now: the calls they ran were waited for."""
+    server and the run dir were seen to on the way here."""
     stuck = [t for t in threading.enumerate() if t.is_alive() and t is not threading.current_thread()
-             and t.ident not in _threads_before and not getattr(t, "later_worker", False)]
+             and t.ident not in _threads_before]
     if stuck:
         log.debug("leaving %d thread(s) behind: %s", len(stuck), ", ".join(t.name for t in stuck))
         logging.shutdown()

@@ -2,8 +2,7 @@
 
 Every node runs on a thread of its own per session (s2s_flow/scheduler.py: ``node:<name>``); when
 one ends, its CPU time is added to its node's total here. :func:`by_stage` adds the node threads
-still running (read from ``/proc/self/task``) and the stage's workers for later work (``later:<name>``,
-s2s_flow/inference.py), the threads Python did not start (``native``: an
+still running (read from ``/proc/self/task``), the threads Python did not start (``native``: an
 engine's own pool, such as CTranslate2's worker that runs Whisper) and the rest of the process
 (``other``: a server's event loop, model loading, garbage collection), so the parts add up to the
 process's CPU time. A server's ``/metrics`` serves it (io=realtime); ``benchmarks/bench_realtime.py
@@ -20,7 +19,6 @@ import time
 __all__ = ["by_stage", "thread_ended"]
 
 _PREFIX = "node:"
-_LATER = "later:"  # a stage's later work at a lower priority (s2s_flow/inference.py: run_as), for the process' life
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 _lock = threading.Lock()
 _ended: dict[str, float] = {}
@@ -57,10 +55,9 @@ def by_stage() -> dict[str, float]:
         out = dict(_ended)
         python = threading.enumerate()  # before the listing: a thread that starts now is not taken for native
         for thread in python:
-            prefix = next((p for p in (_PREFIX, _LATER) if thread.name.startswith(p)), None)
-            if (prefix is not None and not getattr(thread, "cpu_counted", False)
+            if (thread.name.startswith(_PREFIX) and not getattr(thread, "cpu_counted", False)
                     and thread.native_id is not None and (spent := _thread_cpu_s(thread.native_id)) is not None):
-                stage = thread.name[len(prefix):]
+                stage = thread.name[len(_PREFIX):]
                 out[stage] = out.get(stage, 0.0) + spent
     known = {t.native_id for t in python}
     try:

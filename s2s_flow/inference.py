@@ -10,20 +10,13 @@ at once; a call waits for a slot in the order of its kind, then its deadline:
   confirmed kind the moment the turn is confirmed (:meth:`Session.confirm`), queued or not;
 - ``partial``: live partial transcripts.
 
-A ``later`` call begun while first work is in flight (:data:`critical`) runs at a lower CPU
-priority (:func:`run_as`: on a thread :data:`LATER_NICE` below the process' ``nice``, on Linux): it
-has slack, and while the cores are short the operating system gives them to what a listener waits
-for first, in this process and beside it (a local LLM server's first tokens). Begun when no one
-waits for first words, it runs as before: nothing more urgent would gain, and a low priority would
-let work with no listener at all (a reply written ahead) starve it.
-
 Under load (a ``speculative`` or ``partial`` call that waited ``shed_after_s`` for a slot) the call
 is shed: it leaves the queue, is counted per kind and logged, and its caller gets :class:`Shed`,
 never silence (an STT skips the partial, a TTS waits for the turn's confirmation). A free slot is
 taken under one lock, without a thread hop, so a session alone runs as fast as without::
 
-    with node.inference_slot("first", turn=msg.turn) as kind:   # the node contract's way in
-        text = run_as(kind, lambda: model.transcribe(audio), stage=node.ctx.name)
+    with node.inference_slot("first", turn=msg.turn):   # the node contract's way in
+        text = model.transcribe(audio)
 
 :func:`snapshot` reports every model's queue for /metrics and admission.
 """
@@ -31,18 +24,15 @@ taken under one lock, without a thread hop, so a session alone runs as fast as w
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import Any
 
-__all__ = ["KINDS", "LATER_NICE", "Cancelled", "CriticalPath", "Scheduler", "Session", "Shed", "critical", "run_as",
-           "scheduler", "snapshot", "SHED_AFTER_S"]
+__all__ = ["KINDS", "Cancelled", "CriticalPath", "Scheduler", "Session", "Shed", "critical", "scheduler", "snapshot",
+           "SHED_AFTER_S"]
 
 #: the kinds of work, in the order they are served
 KINDS = ("first", "later", "speculative", "partial")
@@ -53,11 +43,6 @@ SHED_AFTER_S = 0.25
 _RECENT = 32  # queue waits averaged per kind in snapshot(): the last ones ...
 _RECENT_S = 10.0  # ... of the last seconds (an idle model reports no wait, not its last busy moment)
 _CANCEL_CHECK_S = 0.05  # how often a waiter that may be cancelled looks
-#: how much lower the CPU priority of ``later`` work is (nice, Linux: per thread): 10 weighs ~1/10
-#: of a normal thread while both want a core, and a core nobody else wants is its whole
-LATER_NICE = 10
-
-T = TypeVar("T")
 
 log = logging.getLogger("s2s_flow.inference")
 
@@ -308,36 +293,3 @@ def snapshot() -> dict[str, dict[str, Any]]:
     "shed": {kind: n since the process started}}}`` (kinds: :data:`KINDS`)."""
     return {s.name: s.snapshot() for s in _schedulers()}
 
-
-_POOLS_LOCK = threading.Lock()
-_POOLS: dict[str, ThreadPoolExecutor] = {}
-
-
-def _lowered(stage: str) -> None:
-    """A later-work thread: named ``later:<stage>`` (its CPU is the stage's: s2s_flow/cpu.py; not a
-    node's thread, which ends with its session), :data:`LATER_NICE` below the process (Linux: this
-    thread only; at most 19)."""
-    me = threading.current_thread()
-    me.name = f"later:{stage}"
-    me.later_worker = True  # type: ignore[attr-defined]  # idle between calls: not a stuck thread at exit (cli)
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + LATER_NICE))
-    except OSError as exc:  # a sandbox that forbids it: the work runs as before, at the process' priority
-        log.warning("later work runs at the normal CPU priority: lowering a thread's was refused (%s)", exc)
-
-
-def run_as(kind: str, call: Callable[[], T], *, stage: str) -> T:
-    """``call()`` for work of ``kind`` (as a slot ran it): ``later`` work begun while first work is in
-    flight on a thread of ``stage``'s at nice :data:`LATER_NICE` (Linux; named ``later:<stage>``, its CPU
-    counted with the stage's), the rest here, at once. The caller
-    waits for it either way, holding its slot: only the priority changes, so a later sentence is made
-    as fast as before on an idle core and after a listener's first words on a busy one."""
-    if kind != "later" or not critical.busy() or not LATER_NICE or not sys.platform.startswith("linux"):
-        return call()
-    with _POOLS_LOCK:
-        pool = _POOLS.get(stage)
-        if pool is None:  # threads start as needed, one per core at most (a voice has no more slots)
-            pool = _POOLS[stage] = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, initializer=_lowered,
-                                                      initargs=(stage,))
-    return pool.submit(call).result()

@@ -47,10 +47,6 @@ declares it with ``inference_key()`` (the model's name in the schedulers and /me
 
 The stage base classes do this for their backends (every STT's decode, every TTS's synthesis),
 so a backend only names its model; a backend without a key (a remote server) is not scheduled.
-The call itself goes through ``inference.run_as(kind, call, stage=self.ctx.name)`` with the kind
-the slot ran as: ``later`` work (a reply's later sentences) begun while first words are being made
-runs at a lower CPU priority, so on a busy machine the cores go to them first (a backend whose
-engine computes on its own thread pool keeps that pool's priority).
 """
 
 from __future__ import annotations

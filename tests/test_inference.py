@@ -6,8 +6,6 @@ behind them and lets go, so what it checks is the order work was granted in, nev
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
@@ -201,35 +199,3 @@ def test_a_waiter_cancelled_by_a_barge_in_leaves_the_queue() -> None:
         barged.set()
         waiter.join(10)
         assert outcome == ["cancelled"] and sched.snapshot()["queued"]["first"] == 0
-
-
-def nice() -> int:
-    """The calling thread's own CPU priority (Linux: per thread)."""
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own CPU priority is Linux's")
-def test_later_work_begun_while_first_words_are_made_runs_at_a_lower_cpu_priority_counted_as_its_stages() -> None:
-    from s2s_flow.cpu import by_stage
-
-    base, me = nice(), threading.get_native_id()
-    where = lambda: (nice(), threading.current_thread().name, threading.get_native_id())  # noqa: E731
-    here = (base, threading.current_thread().name, me)
-    assert not inference.critical.busy()
-    assert inference.run_as("later", where, stage="tts-x") == here, "no one waits for first words: as before"
-    with inference.critical.holding():  # another session's first words are being made
-        seen = {kind: inference.run_as(kind, where, stage="tts-x") for kind in inference.KINDS}
-        for kind in ("first", "speculative", "partial"):  # on the caller's thread, at its priority, at once
-            assert seen[kind] == here, kind
-        lowered, name, tid = seen["later"]
-        assert lowered == min(19, base + inference.LATER_NICE) and name == "later:tts-x" and tid != me
-        assert nice() == base, "the caller's own priority is left as it was"
-        assert inference.run_as("later", threading.get_native_id, stage="tts-x") == tid  # the same thread again
-        worker = next(t for t in threading.enumerate() if t.native_id == tid)
-        assert worker.later_worker, "marked idle between calls: s2s-run's exit does not take it for a stuck setup"
-
-        with pytest.raises(ZeroDivisionError):  # what the call raises reaches the caller
-            inference.run_as("later", lambda: 1 / 0, stage="tts-x")
-        before = by_stage().get("tts-x", 0.0)
-        inference.run_as("later", lambda: sum(range(3_000_000)), stage="tts-x")  # ~0.05-0.2 s of CPU
-        assert by_stage().get("tts-x", 0.0) - before > 0.01, "its CPU time is counted as the stage's"

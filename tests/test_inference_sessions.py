@@ -7,8 +7,6 @@ checks is the order in which the real engine ran their work, recorded inside the
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -118,24 +116,6 @@ def test_a_confirmed_first_clause_is_synthesized_before_another_sessions_later_s
     assert order == ["Here is the first part of my answer.", "Yes, certainly.",
                      "And here is a later sentence of it."]
     assert sum(len(o.pcm) for o in b_out) > 0
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own CPU priority is Linux's")
-def test_a_replys_later_sentences_are_made_below_the_normal_cpu_priority_while_other_first_words_are_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tts = session_tts(tmp_path, "priority")
-    priority = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
-    order = record_syntheses(tts, monkeypatch, note=lambda text: (text, priority()))  # read as the voice runs
-    said = lambda text: list(tts.process("text", TextDelta(turn=3, text=text, sentence_end=True)))  # noqa: E731
-    out = said("Yes, certainly.") + said(" The second sentence follows it.")
-    with inference.critical.holding():  # another session's first words are being made meanwhile
-        out += said(" The third one waits for them.")
-    out += said(" And the last one ends the reply.")
-    base, lowered = priority(), min(19, priority() + inference.LATER_NICE)
-    assert order == [("Yes, certainly.", base), ("The second sentence follows it.", base),
-                     ("The third one waits for them.", lowered), ("And the last one ends the reply.", base)]
-    assert len({a.text for a in out}) == 4 and all(len(a.pcm) for a in out), "each sentence spoken"
 
 
 def test_a_replys_later_sentences_are_made_no_further_ahead_of_the_listener_than_the_lead(

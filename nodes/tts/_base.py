@@ -42,7 +42,7 @@ from nodes._live import turn_failed
 from nodes._playback import playback_of
 from s2s_flow.audio import StreamResampler, to_float32
 from s2s_flow.errors import ConfigError
-from s2s_flow.inference import Cancelled, Shed, critical, run_as
+from s2s_flow.inference import Cancelled, Shed, critical
 from s2s_flow.messages import AudioOut, TextDelta
 from s2s_flow.node import Node, Voiced
 
@@ -390,9 +390,8 @@ class SentenceTTS(Node, Voiced):
         while True:
             try:
                 with self.inference_slot(kind, turn=turn, deadline=deadline,
-                                         cancelled=lambda: self.interrupted(turn)) as ran:
-                    # a later piece at a lower CPU priority while a listener's first words are made
-                    return run_as(ran, lambda: next(stream, _END), stage=self.ctx.name)
+                                         cancelled=lambda: self.interrupted(turn)):
+                    return next(stream, _END)
             except Cancelled:  # a barge-in while it waited
                 return _END
             except Shed as shed:
